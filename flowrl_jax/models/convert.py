@@ -1,0 +1,199 @@
+"""diffusers `SD3Transformer2DModel` weights <-> `MMDiT` params, without importing torch.
+
+    model, params = load_diffusers("path/to/sd3.5-medium")            # folder (or its transformer/)
+    params = from_state_dict(model, torch_model.state_dict())         # any {name: array-like}
+    state_dict = to_state_dict(model, params)                         # numpy, diffusers names
+
+One table (`_FLAX_TO_DIFFUSERS`) names every parameter in both worlds; conversion walks our param
+tree, so an unknown key in the source, a missing one or a shape mismatch is an error that lists
+them. Layouts: torch Linear `weight [out, in]` is our `kernel [in, out]`; the patch-embedding conv
+`weight [D, C, p, p]` is our dense `kernel [p*p*C, D]` over `patchify`'d tokens; RMSNorm `weight` is
+our `scale`. The fixed position table `pos_embed.pos_embed` is not a parameter: we recompute it
+and check the stored one against it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Mapping
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import safetensors.numpy
+
+from flowrl_jax.models.mmdit import MMDiT, sincos_pos_embed_2d
+
+HPARAMS = (
+    "sample_size", "patch_size", "in_channels", "num_layers", "attention_head_dim", "num_attention_heads",
+    "joint_attention_dim", "caption_projection_dim", "pooled_projection_dim", "out_channels",
+    "pos_embed_max_size", "dual_attention_layers", "qk_norm",
+)
+_POS_TABLE_KEY = "pos_embed.pos_embed"
+
+# Our path (with "/") -> diffusers key prefix, applied in order; then "/" -> ".".
+_FLAX_TO_DIFFUSERS = (
+    (r"^pos_embed_proj/", "pos_embed.proj/"),
+    (r"^time_linear_(\d)/", r"time_text_embed.timestep_embedder.linear_\1/"),
+    (r"^text_linear_(\d)/", r"time_text_embed.text_embedder.linear_\1/"),
+    (r"^transformer_blocks_(\d+)/", r"transformer_blocks.\1/"),
+    (r"/to_out/", "/to_out.0/"),
+    (r"/(ff|ff_context)/fc1/", r"/\1.net.0.proj/"),
+    (r"/(ff|ff_context)/fc2/", r"/\1.net.2/"),
+    (r"/(kernel|scale)$", "/weight"),
+)
+
+
+class ConversionError(ValueError):
+    """The weights do not fit the model: lists every unknown, missing or mis-shaped key."""
+
+
+def diffusers_key(flax_path: str) -> str:
+    """'transformer_blocks_0/ff/fc1/kernel' -> 'transformer_blocks.0.ff.net.0.proj.weight'."""
+    key = flax_path
+    for pattern, repl in _FLAX_TO_DIFFUSERS:
+        key = re.sub(pattern, repl, key)
+    return key.replace("/", ".")
+
+
+def mmdit_from_config(config: Mapping[str, Any], **overrides) -> MMDiT:
+    """An `MMDiT` from a diffusers `config.json` dict (keys starting with '_' are metadata)."""
+    unknown = sorted(k for k in config if not k.startswith("_") and k not in HPARAMS)
+    if unknown:
+        raise ConversionError(f"config.json has keys MMDiT does not know: {unknown}; known: {list(HPARAMS)}")
+    kwargs = {k: v for k, v in config.items() if k in HPARAMS}
+    if kwargs.get("dual_attention_layers") is not None:
+        kwargs["dual_attention_layers"] = tuple(kwargs["dual_attention_layers"])
+    return MMDiT(**kwargs, **overrides)
+
+
+def _abstract_params(model: MMDiT) -> dict:
+    shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), *model.dummy_inputs()))
+    return flax.traverse_util.flatten_dict(shapes["params"], sep="/")
+
+
+def _to_numpy(value) -> np.ndarray:
+    """Array-like (numpy, jax, torch CPU tensor) -> float32 numpy, without importing torch."""
+    if hasattr(value, "detach"):  # a torch tensor: leave bfloat16 through float(), which numpy lacks
+        value = value.detach().cpu().float()
+    return np.asarray(value, dtype=np.float32)
+
+
+def _expected_pos_table(model: MMDiT) -> np.ndarray | None:
+    if not model.pos_embed_max_size:
+        return None
+    table = sincos_pos_embed_2d(model.inner_dim, model.pos_embed_max_size, model.sample_size // model.patch_size)
+    return table.reshape(1, -1, model.inner_dim)
+
+
+def from_state_dict(model: MMDiT, state_dict: Mapping[str, Any]) -> dict:
+    """A diffusers state_dict ({name: array-like}) -> our `params` tree (in `model.param_dtype`)."""
+    expected = _abstract_params(model)
+    p, c = model.patch_size, model.in_channels
+    flat, missing, mismatched = {}, [], []
+    for path, abstract in expected.items():
+        key = diffusers_key(path)
+        if key not in state_dict:
+            missing.append(key)
+            continue
+        value = _to_numpy(state_dict[key])
+        if path == "pos_embed_proj/kernel":  # conv [D, C, p, p] -> [p*p*C, D] (patchify order p, q, C)
+            value = value.transpose(2, 3, 1, 0).reshape(p * p * c, -1) if value.ndim == 4 else value
+        elif path.endswith("/kernel"):
+            value = value.T
+        if value.shape != abstract.shape:
+            mismatched.append(f"{key}: got {value.shape}, model expects {abstract.shape}")
+            continue
+        flat[path] = jnp.asarray(value, dtype=model.param_dtype)
+    claimed = {diffusers_key(path) for path in expected} | {_POS_TABLE_KEY}
+    unknown = sorted(k for k in state_dict if k not in claimed)
+    problems = []
+    if unknown:
+        problems.append(f"{len(unknown)} unknown keys (not in this MMDiT config): {unknown}")
+    if missing:
+        problems.append(f"{len(missing)} missing keys: {missing}")
+    if mismatched:
+        problems.append(f"{len(mismatched)} shape mismatches: {mismatched}")
+    if _POS_TABLE_KEY in state_dict and not problems:
+        table, ours = _to_numpy(state_dict[_POS_TABLE_KEY]), _expected_pos_table(model)
+        if ours is None or table.shape != ours.shape or not np.allclose(table, ours, atol=1e-4):
+            problems.append(
+                f"{_POS_TABLE_KEY} does not match the sin-cos table of sample_size={model.sample_size}, "
+                f"patch_size={p}, pos_embed_max_size={model.pos_embed_max_size}: check the config"
+            )
+    if problems:
+        raise ConversionError("cannot load diffusers weights into MMDiT: " + "; ".join(problems))
+    return flax.traverse_util.unflatten_dict(flat, sep="/")
+
+
+def to_state_dict(model: MMDiT, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Our `params` -> a diffusers state_dict of float32 numpy arrays (inverse of `from_state_dict`)."""
+    p, c = model.patch_size, model.in_channels
+    out = {}
+    for path, value in flax.traverse_util.flatten_dict(dict(params), sep="/").items():
+        value = np.asarray(value, dtype=np.float32)
+        if path == "pos_embed_proj/kernel":
+            value = value.reshape(p, p, c, -1).transpose(3, 2, 0, 1)
+        elif path.endswith("/kernel"):
+            value = value.T
+        out[diffusers_key(path)] = np.ascontiguousarray(value)
+    table = _expected_pos_table(model)
+    if table is not None:
+        out[_POS_TABLE_KEY] = table
+    return out
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """safetensors' numpy loader, extended to BF16 (which numpy lacks) through ml_dtypes."""
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    if all(info["dtype"] != "BF16" for info in header.values()):
+        return safetensors.numpy.load_file(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    out = {}
+    for name, info in header.items():
+        start, end = info["data_offsets"]
+        if info["dtype"] == "BF16":
+            out[name] = data[start:end].view(ml_dtypes.bfloat16).reshape(info["shape"]).astype(np.float32)
+        else:
+            dtype = safetensors.numpy._getdtype(info["dtype"])
+            out[name] = np.array(data[start:end].view(dtype).reshape(info["shape"]))
+    return out
+
+
+def _weight_files(folder: str) -> list[str]:
+    index = os.path.join(folder, "diffusion_pytorch_model.safetensors.index.json")
+    single = os.path.join(folder, "diffusion_pytorch_model.safetensors")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(folder, name) for name in sorted(set(weight_map.values()))]
+    if os.path.exists(single):
+        return [single]
+    found = sorted(os.listdir(folder))
+    raise FileNotFoundError(
+        f"no diffusers weights in {folder}: expected diffusion_pytorch_model.safetensors or its "
+        f".index.json (found {found}); save the model with save_pretrained(..., safe_serialization=True)"
+    )
+
+
+def load_diffusers(path: str, **model_overrides) -> tuple[MMDiT, dict]:
+    """Load a diffusers SD3 transformer folder (`config.json` + `*.safetensors`, sharded or not; a
+    pipeline folder's `transformer/` is found too) -> (model, params). No torch import."""
+    folder = os.path.join(path, "transformer") if os.path.isfile(os.path.join(path, "transformer", "config.json")) else path
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{config_path} not found: point to a diffusers SD3Transformer2DModel folder")
+    with open(config_path) as f:
+        model = mmdit_from_config(json.load(f), **model_overrides)
+    state_dict = {}
+    for file in _weight_files(folder):
+        if not os.path.exists(file):
+            raise FileNotFoundError(f"weight shard {file} listed in the index is missing")
+        state_dict.update(read_safetensors(file))
+    return model, from_state_dict(model, state_dict)
