@@ -1,0 +1,83 @@
+"""Entry point: `python -m flowrl_jax.main --config configs/<name>.py[:variant] [--config.a.b=v] [--workdir d]`.
+
+Dispatches on `config.job` to `<module>.run(config, workdir)`. Config mistakes (an unknown key, a
+missing required field, an unknown job) end the run with one line naming the key.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from flowrl_jax.config_lib import ConfigError, require
+
+# job name -> (module with run(config, workdir), fields it requires)
+JOBS = {
+    "inspect": ("flowrl_jax.inspect_model", ("model", "mesh", "seed", "inspect.batch_size", "inspect.text_len")),
+}
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Python config file (get_config), optionally :variant.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and samples.")
+
+
+def _fail(message: str) -> None:
+    print(f"flowrl_jax: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _unknown_override(argv, missing: str) -> str | None:
+    """The `--config.a.b=v` argument whose path contains the segment the config lacks."""
+    for arg in argv:
+        if arg.startswith("--config."):
+            path = arg[len("--config."):].split("=", 1)[0]
+            if missing in path.split("."):
+                return path
+    return None
+
+
+def parse_flags(argv):
+    """absl flag parsing with one-line errors for config mistakes."""
+    try:
+        args = flags.FLAGS(argv)
+        if flags.FLAGS.config is not None:
+            flags.FLAGS.config.keys()  # a config file that failed to load raises here
+        return args
+    except OSError as e:  # ml_collections defers "no such config file" to the first access
+        _fail("cannot load --config: " + str(e).strip().splitlines()[-1].strip())
+    except AttributeError as e:  # ml_collections: an override of a key the (locked) config lacks
+        missing = str(e).strip("\"'")
+        key = _unknown_override(argv, missing) or missing
+        _fail(f"unknown config key {key!r}: the config has no field {missing!r} (check the spelling against the config file)")
+    except (flags.Error, KeyError, TypeError, ValueError) as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        # A config file that raised: keep the flag and the exception's last line, not the traceback.
+        _fail(lines[0].split(":")[0] + ": " + lines[-1] if "Traceback" in str(e) else " ".join(lines))
+
+
+def run_job(config, workdir: str | None) -> None:
+    """Check `config` for its job and run it."""
+    job = config.get("job")
+    if not job:
+        raise ConfigError("config has no field 'job'; set config.job to one of " + ", ".join(sorted(JOBS)))
+    if job not in JOBS:
+        raise ConfigError(f"unknown job {job!r} (config.job); known jobs: {', '.join(sorted(JOBS))}")
+    module, required = JOBS[job]
+    require(config, required)
+    importlib.import_module(module).run(config, workdir)
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        _fail(f"unexpected arguments {argv[1:]}; flags look like --config=configs/x.py --config.a.b=value")
+    if _CONFIG.value is None:
+        _fail("--config is required, e.g. --config configs/inspect_mmdit.py")
+    try:
+        run_job(_CONFIG.value, _WORKDIR.value)
+    except ConfigError as e:
+        _fail(str(e))
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=parse_flags)

@@ -1,0 +1,125 @@
+"""Mesh, parameter partition rules and batch sharding: sharding as data, the compiler does the rest.
+
+    mesh = make_mesh([("data", -1), ("fsdp", 1)])              # -1 takes the remaining devices
+    params, shardings = init_sharded(init_fn, rng, mesh, DEFAULT_RULES)
+    batch = shard_batch(batch, mesh)                           # leading axis over (data, fsdp)
+    step = jax.jit(step_fn, in_shardings=(shardings, batch_sharding(mesh)), out_shardings=...)
+
+Partition rules are `(regex, spec)` pairs matched in order against a parameter's path
+('transformer_blocks_3/ff/fc1/kernel'); the first match wins. A spec is
+  - "fsdp": shard the largest dimension divisible by the fsdp axis size over `fsdp`, if the array
+    has at least `min_fsdp_size` elements (ZeRO-3 style); otherwise replicate;
+  - "replicate": a full copy on every device;
+  - a tuple of mesh-axis names / None, one per dimension: an explicit `PartitionSpec`.
+The mesh uses `AxisType.Auto` axes: shardings are annotations at the jit boundary and XLA
+propagates them (FSDP all-gathers, gradient reduce-scatters), no per-op sharding in the model.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Callable, Sequence
+
+import flax
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+DEFAULT_RULES = (
+    (r"kernel$", "fsdp"),
+    (r".*", "replicate"),
+)
+BATCH_AXES = ("data", "fsdp")
+
+
+def make_mesh(axes: Sequence[tuple[str, int]], devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
+    """A mesh from `[(name, size), ...]`; one size may be -1 to take the remaining devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    names = tuple(name for name, _ in axes)
+    sizes = [int(size) for _, size in axes]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"mesh {list(axes)}: at most one axis may have size -1")
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"mesh {list(axes)}: {len(devices)} devices are not divisible by {known}")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if int(np.prod(sizes)) != len(devices):
+        raise ValueError(f"mesh {list(axes)} has {int(np.prod(sizes))} slots for {len(devices)} devices; use -1 on one axis")
+    return jax.make_mesh(tuple(sizes), names, axis_types=(jax.sharding.AxisType.Auto,) * len(names), devices=devices)
+
+
+def _fsdp_spec(shape: Sequence[int], fsdp_size: int, min_fsdp_size: int) -> P:
+    if fsdp_size == 1 or int(np.prod(shape)) < min_fsdp_size:
+        return P()
+    for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
+        if shape[dim] % fsdp_size == 0:
+            return P(*[("fsdp" if d == dim else None) for d in range(len(shape))])
+    return P()
+
+
+def spec_for(path: str, shape: Sequence[int], mesh: jax.sharding.Mesh, rules=DEFAULT_RULES, min_fsdp_size: int = 2**14) -> P:
+    """The PartitionSpec of one parameter by the first rule whose regex matches its path."""
+    for pattern, spec in rules:
+        if re.search(pattern, path):
+            if spec == "replicate":
+                return P()
+            if spec == "fsdp":
+                return _fsdp_spec(shape, mesh.shape.get("fsdp", 1), min_fsdp_size)
+            spec = tuple(spec)
+            if len(spec) != len(shape):
+                raise ValueError(f"partition rule {pattern!r} -> {spec} has {len(spec)} entries for {path} of shape {tuple(shape)}")
+            return P(*spec)
+    raise ValueError(f"no partition rule matches parameter {path!r}; end the rules with ('.*', 'replicate')")
+
+
+def tree_shardings(tree: Any, mesh: jax.sharding.Mesh, rules=DEFAULT_RULES, min_fsdp_size: int = 2**14) -> Any:
+    """A pytree of NamedShardings mirroring `tree` (arrays or ShapeDtypeStructs)."""
+    flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(tree), sep="/")
+    specs = {path: NamedSharding(mesh, spec_for(path, x.shape, mesh, rules, min_fsdp_size)) for path, x in flat.items()}
+    return flax.traverse_util.unflatten_dict(specs, sep="/")
+
+
+def init_sharded(init_fn: Callable[[jax.Array], Any], rng: jax.Array, mesh: jax.sharding.Mesh, rules=DEFAULT_RULES, min_fsdp_size: int = 2**14):
+    """Run `init_fn(rng) -> params` already sharded: shapes from `jax.eval_shape`, shardings from
+    the rules, then `jax.jit(init_fn, out_shardings=...)`, so no device ever holds the full tree
+    unless the rules replicate it. Returns (params, shardings)."""
+    abstract = jax.eval_shape(init_fn, rng)
+    shardings = tree_shardings(abstract, mesh, rules, min_fsdp_size)
+    params = jax.jit(init_fn, out_shardings=shardings)(rng)
+    return params, shardings
+
+
+def batch_sharding(mesh: jax.sharding.Mesh, axes: Sequence[str] = BATCH_AXES) -> NamedSharding:
+    """Leading (batch) axis split over the data-parallel axes present in the mesh."""
+    present = tuple(a for a in axes if a in mesh.shape)
+    return NamedSharding(mesh, P(present))
+
+
+def shard_batch(batch: Any, mesh: jax.sharding.Mesh, axes: Sequence[str] = BATCH_AXES) -> Any:
+    """Place a host batch (pytree of arrays, global batch on the leading axis) onto the mesh.
+
+    Single process: a plain `device_put`. Multi-process: every process passes its own slice of
+    the global batch (`process_batch_slice`) and gets back global `jax.Array`s."""
+    sharding = batch_sharding(mesh, axes)
+    if jax.process_count() == 1:
+        return jax.device_put(batch, sharding)
+    return jax.tree_util.tree_map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
+
+
+def process_batch_slice(global_batch_size: int) -> slice:
+    """This process's rows of the global batch (equal contiguous slices)."""
+    n = jax.process_count()
+    if global_batch_size % n:
+        raise ValueError(f"global batch {global_batch_size} is not divisible by {n} processes")
+    per = global_batch_size // n
+    return slice(jax.process_index() * per, (jax.process_index() + 1) * per)
+
+
+def maybe_initialize_distributed(enabled: bool | str = "auto") -> None:
+    """`jax.distributed.initialize()` on multi-host runs (TPU pods find their peers by themselves).
+
+    `"auto"` initializes when the standard cluster environment variables are present."""
+    cluster_env = ("TPU_WORKER_HOSTNAMES", "JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")
+    if enabled is True or (enabled == "auto" and any(os.environ.get(k) for k in cluster_env)):
+        jax.distributed.initialize()
