@@ -134,7 +134,7 @@ def to_state_dict(model: MMDiT, params: Mapping[str, Any]) -> dict[str, np.ndarr
     p, c = model.patch_size, model.in_channels
     out = {}
     for path, value in flax.traverse_util.flatten_dict(dict(params), sep="/").items():
-        value = np.asarray(value, dtype=np.float32)
+        value = np.array(value, dtype=np.float32)  # a writable copy
         if path == "pos_embed_proj/kernel":
             value = value.reshape(p, p, c, -1).transpose(3, 2, 0, 1)
         elif path.endswith("/kernel"):
@@ -142,7 +142,7 @@ def to_state_dict(model: MMDiT, params: Mapping[str, Any]) -> dict[str, np.ndarr
         out[diffusers_key(path)] = np.ascontiguousarray(value)
     table = _expected_pos_table(model)
     if table is not None:
-        out[_POS_TABLE_KEY] = table
+        out[_POS_TABLE_KEY] = table.copy()
     return out
 
 

@@ -82,8 +82,10 @@ def sincos_pos_embed_2d(dim: int, grid_size: int, base_size: int) -> np.ndarray:
         raise ValueError(f"the 2D sin-cos position embedding needs dim % 4 == 0, got {dim}")
     coords = np.arange(grid_size, dtype=np.float64) / (grid_size / base_size)
     rows, cols = np.meshgrid(coords, coords, indexing="ij")
-    table = np.concatenate([_sincos_1d(dim // 2, cols), _sincos_1d(dim // 2, rows)], axis=1)
-    return table.reshape(grid_size, grid_size, dim).astype(np.float32)
+    table = np.concatenate([_sincos_1d(dim // 2, cols.reshape(-1)), _sincos_1d(dim // 2, rows.reshape(-1))], axis=1)
+    table = table.reshape(grid_size, grid_size, dim).astype(np.float32)
+    table.setflags(write=False)  # cached and shared
+    return table
 
 
 def cropped_pos_embed(dim: int, max_size: int, base_size: int, gh: int, gw: int) -> np.ndarray:

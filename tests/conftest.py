@@ -1,0 +1,35 @@
+"""Shared test setup: 8 simulated CPU devices (must be set before jax is imported) and tiny models."""
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+
+from flowrl_jax.models import build_mmdit  # noqa: E402
+from flowrl_jax.config_lib import model_config  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return build_mmdit(model_config("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_params(tiny_model):
+    """Tiny-model params with every leaf random (the default init zeroes the adaLN and output layers,
+    which would hide most of the network from a test)."""
+    shapes = jax.eval_shape(lambda: tiny_model.init(jax.random.PRNGKey(0), *tiny_model.dummy_inputs())["params"])
+    leaves, treedef = jax.tree_util.tree_flatten(shapes)
+    keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
+    return jax.tree_util.tree_unflatten(treedef, [0.2 * jax.random.normal(k, s.shape) for k, s in zip(keys, leaves)])
+
+
+def random_inputs(model, batch=2, text_len=5, height=None, width=None, seed=0):
+    """(x [B, H, W, C], t [B] in (0, 1), text_tokens [B, L, J], pooled [B, P])."""
+    x, _, txt, pooled = model.dummy_inputs(batch, text_len, height, width)
+    k = jax.random.split(jax.random.PRNGKey(seed), 4)
+    return (jax.random.normal(k[0], x.shape), jax.random.uniform(k[1], (batch,), minval=0.05, maxval=0.95),
+            jax.random.normal(k[2], txt.shape), jax.random.normal(k[3], pooled.shape))
