@@ -1,0 +1,69 @@
+"""The entry point: job dispatch, and one-line errors for config mistakes."""
+import json
+import subprocess
+import sys
+
+import pytest
+from ml_collections import ConfigDict
+
+from flowrl_jax import config_lib, main
+
+
+def _run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "flowrl_jax.main", *args], capture_output=True, text=True, timeout=300,
+                          cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+
+
+def _error_lines(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("flowrl_jax: error:")]
+
+
+@pytest.mark.parametrize("flag, key", [("--config.nonexistent=1", "nonexistent"), ("--config.model.heads=4", "model.heads")])
+def test_unknown_config_key_is_one_line_naming_it(flag, key):
+    result = _run_cli("--config", "configs/inspect_mmdit.py:tiny", flag)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = _error_lines(result.stderr)
+    assert len(lines) == 1 and repr(key) in lines[0], result.stderr
+
+
+def test_missing_config_file_is_one_line():
+    result = _run_cli("--config", "configs/no_such_config.py")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "no_such_config.py" in _error_lines(result.stderr)[0]
+
+
+def test_inspect_job_runs_from_the_command_line(tmp_path):
+    result = _run_cli("--config", "configs/inspect_mmdit.py:tiny", "--config.inspect.batch_size=8",
+                      "--config.mesh=(('data',-1),('fsdp',2))", "--config.min_fsdp_size=1024", f"--workdir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "inspect.json").read_text())
+    assert report["mesh"] == {"data": 4, "fsdp": 2} and report["output_finite"]
+    assert report["output_shape"] == [8, 8, 8, 3]
+    assert any(row["spec"] != "PartitionSpec()" for row in report["largest"])
+
+
+def _tiny_inspect_config():
+    return __import__("runpy").run_path("configs/inspect_mmdit.py")["get_config"]("tiny")
+
+
+def test_unknown_job_names_the_known_ones():
+    config = _tiny_inspect_config()
+    config.job = "no_such_job"
+    with pytest.raises(config_lib.ConfigError, match="unknown job 'no_such_job'.*inspect"):
+        main.run_job(config, None)
+
+
+def test_missing_job_field():
+    with pytest.raises(config_lib.ConfigError, match="no field 'job'"):
+        main.run_job(ConfigDict({"seed": 0}), None)
+
+
+def test_missing_required_field_is_named():
+    config = _tiny_inspect_config().to_dict()
+    del config["inspect"]["batch_size"]
+    with pytest.raises(config_lib.ConfigError, match="'inspect.batch_size'"):
+        main.run_job(ConfigDict(config), None)
+    config["inspect"]["batch_size"] = None
+    with pytest.raises(config_lib.ConfigError, match="required.*--config.inspect.batch_size"):
+        main.run_job(ConfigDict(config), None)

@@ -1,0 +1,92 @@
+"""Sharding on 8 simulated CPU devices: the (4, 2) data x fsdp mesh reproduces the 1-device model."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import random_inputs
+from jax.sharding import PartitionSpec as P
+
+from flowrl_jax import parallel
+
+
+def test_eight_simulated_devices():
+    assert jax.device_count() == 8, "tests/conftest.py must set XLA_FLAGS before jax is imported"
+
+
+def test_make_mesh_fills_minus_one():
+    mesh = parallel.make_mesh([("data", -1), ("fsdp", 2)])
+    assert dict(mesh.shape) == {"data": 4, "fsdp": 2}
+    with pytest.raises(ValueError, match="slots"):
+        parallel.make_mesh([("data", 3), ("fsdp", 2)])
+    with pytest.raises(ValueError, match="at most one"):
+        parallel.make_mesh([("data", -1), ("fsdp", -1)])
+
+
+def test_spec_rules():
+    mesh = parallel.make_mesh([("data", 4), ("fsdp", 2)])
+    assert parallel.spec_for("a/kernel", (64, 256), mesh, min_fsdp_size=1024) == P(None, "fsdp")
+    assert parallel.spec_for("a/kernel", (63, 256), mesh, min_fsdp_size=1024) == P(None, "fsdp")
+    assert parallel.spec_for("a/kernel", (256, 63), mesh, min_fsdp_size=1024) == P("fsdp", None)
+    assert parallel.spec_for("a/kernel", (8, 8), mesh, min_fsdp_size=1024) == P()  # small: replicated
+    assert parallel.spec_for("a/bias", (4096,), mesh, min_fsdp_size=1024) == P()
+    rules = ((r"to_q/kernel$", ("fsdp", None)),) + parallel.DEFAULT_RULES
+    assert parallel.spec_for("attn/to_q/kernel", (64, 64), mesh, rules) == P("fsdp", None)
+    with pytest.raises(ValueError, match="no partition rule"):
+        parallel.spec_for("a/bias", (4,), mesh, rules=((r"kernel$", "fsdp"),))
+
+
+@pytest.fixture(scope="module")
+def sharded(tiny_model, tiny_params):
+    mesh = parallel.make_mesh([("data", 4), ("fsdp", 2)])
+    init = lambda rng: jax.tree_util.tree_map(lambda x: x, tiny_params)  # noqa: E731 - the test's params
+    params, shardings = parallel.init_sharded(init, jax.random.PRNGKey(0), mesh, min_fsdp_size=1024)
+    return mesh, params, shardings
+
+
+def test_big_kernels_are_sharded(sharded):
+    mesh, params, _ = sharded
+    ff = params["transformer_blocks_0"]["ff"]["fc1"]["kernel"]  # [32, 128]
+    assert ff.sharding.spec == P(None, "fsdp")
+    assert ff.addressable_shards[0].data.shape == (32, 64)
+    assert params["transformer_blocks_0"]["ff"]["fc1"]["bias"].sharding.spec == P()
+    assert params["proj_out"]["kernel"].sharding.spec == P()  # 32 x 12: below min_fsdp_size
+
+
+def test_sharded_init_runs_init_fn_under_out_shardings(tiny_model):
+    mesh = parallel.make_mesh([("data", 4), ("fsdp", 2)])
+    dummy = tiny_model.dummy_inputs()
+    params, _ = parallel.init_sharded(lambda r: tiny_model.init(r, *dummy)["params"], jax.random.PRNGKey(0), mesh, min_fsdp_size=1024)
+    reference = jax.jit(tiny_model.init)(jax.random.PRNGKey(0), *dummy)["params"]
+    square = params["transformer_blocks_0"]["attn"]["to_q"]["kernel"]  # [32, 32]: ties go to the first dim
+    assert square.sharding.spec == P("fsdp", None)
+    kernel = params["transformer_blocks_0"]["ff"]["fc2"]["kernel"]  # [128, 32]
+    assert kernel.sharding.spec == P("fsdp", None)
+    np.testing.assert_array_equal(kernel, reference["transformer_blocks_0"]["ff"]["fc2"]["kernel"])
+
+
+def test_sharded_forward_and_grad_equal_single_device(tiny_model, tiny_params, sharded):
+    mesh, params, shardings = sharded
+    inputs = random_inputs(tiny_model, batch=8, text_len=5)
+    data = parallel.batch_sharding(mesh)
+    assert data.spec == P(("data", "fsdp"))
+
+    def loss(p, *a):
+        return jnp.mean(tiny_model.apply({"params": p}, *a) ** 2)
+
+    step = jax.jit(jax.value_and_grad(loss), in_shardings=(shardings, data, data, data, data), out_shardings=(None, shardings))
+    forward = jax.jit(lambda p, *a: tiny_model.apply({"params": p}, *a), in_shardings=(shardings, data, data, data, data), out_shardings=data)
+    sharded_inputs = parallel.shard_batch(inputs, mesh)
+    v = forward(params, *sharded_inputs)
+    assert v.sharding.spec == P(("data", "fsdp")) and len(v.addressable_shards) == 8
+
+    one = jax.devices()[0]
+    local = jax.device_put((tiny_params, inputs), one)
+    v_ref = jax.jit(lambda p, *a: tiny_model.apply({"params": p}, *a))(*(local[0],), *local[1])
+    np.testing.assert_allclose(np.asarray(v), np.asarray(v_ref), rtol=1e-5, atol=1e-5)
+
+    l_sh, g_sh = step(params, *sharded_inputs)
+    l_ref, g_ref = jax.jit(jax.value_and_grad(loss))(local[0], *local[1])
+    np.testing.assert_allclose(l_sh, l_ref, rtol=1e-5)
+    assert g_sh["transformer_blocks_0"]["ff"]["fc1"]["kernel"].sharding.spec == P(None, "fsdp")
+    for a, b in zip(jax.tree_util.tree_leaves(g_sh), jax.tree_util.tree_leaves(g_ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
