@@ -1,0 +1,76 @@
+"""Metrics out: JSONL + TensorBoard scalars, and PNG image grids.
+
+    writer = MetricWriter(workdir)           # workdir/metrics.jsonl and TensorBoard events in workdir/tb
+    writer.scalars(step, {"loss": 0.1})
+    save_grid(images [N, H, W, 3] in [-1, 1], "samples.png", rows=4, labels=[...])
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Mapping, Sequence
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+
+class MetricWriter:
+    """Appends `{"step", "time", **scalars}` lines to metrics.jsonl and mirrors them to TensorBoard."""
+
+    def __init__(self, workdir: str):
+        from tensorboardX import SummaryWriter
+
+        os.makedirs(workdir, exist_ok=True)
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+    def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        values = {k: float(v) for k, v in values.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": int(step), "time": time.time(), **values}) + "\n")
+        for k, v in values.items():
+            self.tb.add_scalar(k, v, int(step))
+        self.tb.flush()
+
+    def close(self) -> None:
+        self.tb.close()
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def to_uint8(images) -> np.ndarray:
+    """[-1, 1] float -> uint8 [0, 255]."""
+    return np.clip((np.asarray(images, np.float32) + 1) * 127.5 + 0.5, 0, 255).astype(np.uint8)
+
+
+def save_grid(images, path: str, rows: int | None = None, labels: Sequence[str] | None = None, scale: int = 3,
+              row_titles: Sequence[str] | None = None) -> str:
+    """Tile images [N, H, W, 3] in [-1, 1] into a PNG (upscaled `scale`x, nearest); optional
+    per-image captions below each cell and a title at the start of each row."""
+    images = to_uint8(images)
+    n, h, w, _ = images.shape
+    rows = rows or int(math.ceil(math.sqrt(n)))
+    cols = int(math.ceil(n / rows))
+    cell_h, cell_w = h * scale + (12 if labels else 0), w * scale
+    left = 90 if row_titles else 0
+    canvas = Image.new("RGB", (left + cols * (cell_w + 2), rows * (cell_h + 2)), (255, 255, 255))
+    draw = ImageDraw.Draw(canvas)
+    for i in range(n):
+        r, c = divmod(i, cols)
+        x0, y0 = left + c * (cell_w + 2), r * (cell_h + 2)
+        canvas.paste(Image.fromarray(images[i]).resize((cell_w, h * scale), Image.NEAREST), (x0, y0))
+        if labels:
+            draw.text((x0 + 1, y0 + h * scale), str(labels[i])[: cell_w // 6], fill=(0, 0, 0))
+    for r, title in enumerate(row_titles or []):
+        draw.text((2, r * (cell_h + 2) + cell_h // 2 - 5), str(title)[:14], fill=(0, 0, 0))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    canvas.save(path)
+    return path

@@ -1,0 +1,1 @@
+"""Samplers: the sigma schedule (schedule.py) and the deterministic CFG ODE sampler (ode.py)."""
