@@ -1,0 +1,1 @@
+"""The embedded shapes world: prompt grammar, renderer and prompt-set files (`shapes`)."""

@@ -1,0 +1,1 @@
+"""Rewards: the exact evaluator of the embedded shapes world (`shapes_eval`)."""

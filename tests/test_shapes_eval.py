@@ -1,0 +1,148 @@
+"""The shapes-world evaluator: validated against the renderer, partial-credit clauses, detection edge cases."""
+import numpy as np
+import pytest
+
+from flowrl_jax.data import shapes
+from flowrl_jax.rewards import shapes_eval
+
+
+@pytest.fixture(scope="module")
+def validation():
+    return shapes_eval.validate(300, seed=0)
+
+
+@pytest.mark.parametrize("category", shapes.CATEGORIES)
+def test_accepts_own_prompt_rejects_near_miss(validation, category):
+    r = validation[category]
+    assert r["accept"] >= 0.995, r
+    assert r["reject"] >= 0.99, r
+
+
+def test_validation_at_64px():
+    for cat, r in shapes_eval.validate(40, seed=1, size=64).items():
+        assert r["accept"] >= 0.975 and r["reject"] >= 0.975, (cat, r)
+
+
+def test_detections_match_labels():
+    rng = np.random.default_rng(3)
+    specs = [s for c in shapes.CATEGORIES for s in shapes.all_specs(c)]
+    scenes = [shapes.sample_scene(s, rng) for s in specs]
+    out = shapes_eval.evaluate(np.stack([im for im, _ in scenes]), specs)
+    for (_, labels), dets in zip(scenes, out["detections"]):
+        assert len(dets) == len(labels)
+        for lab in labels:
+            d = min(dets, key=lambda d: np.hypot(d["center"][0] - lab["center"][0], d["center"][1] - lab["center"][1]))
+            assert (d["shape"], d["color"]) == (lab["shape"], lab["color"])
+            assert np.hypot(d["center"][0] - lab["center"][0], d["center"][1] - lab["center"][1]) < 0.5
+
+
+def test_strict_is_score_one_and_prompts_accepted():
+    rng = np.random.default_rng(4)
+    specs = [s for c in shapes.CATEGORIES for s in shapes.all_specs(c)]
+    images = shapes.render_batch(specs, rng)
+    others = [specs[i] for i in rng.permutation(len(specs))]
+    for imgs, sp in ((images, specs), (images, others), (images + 0.3 * rng.standard_normal(images.shape), specs)):
+        out = shapes_eval.evaluate(imgs.astype(np.float32), sp)
+        assert out["strict"].dtype == np.float32 and out["strict"].shape == (len(sp),)
+        assert np.all((out["score"] >= 0) & (out["score"] <= 1))
+        np.testing.assert_array_equal(out["strict"], (out["score"] == 1).astype(np.float32))
+    assert shapes_eval.evaluate(images, [shapes.format_prompt(s) for s in specs])["strict"].all()
+
+
+def _objects(images):
+    """Per image a list of (shape, color, cx, cy, area) -> score_objects' arrays."""
+    rows = [(i, *o) for i, objs in enumerate(images) for o in objs]
+    cols = list(zip(*rows)) if rows else [()] * 6
+    return dict(image=np.array(cols[0], int), shape=np.array([shapes.SHAPES.index(s) for s in cols[1]], int),
+                color=np.array([shapes.COLORS.index(c) for c in cols[2]], int), cx=np.array(cols[3], float),
+                cy=np.array(cols[4], float), area=np.array(cols[5], float))
+
+
+SCENES = [
+    [("triangle", "red", 5, 5, 40), ("triangle", "blue", 20, 5, 40)],
+    [("square", "blue", 5, 5, 40), ("square", "red", 20, 20, 40)],
+    [("circle", "red", 5, 10, 60), ("square", "green", 25, 12, 50), ("circle", "blue", 28, 28, 10)],  # + a small circle
+]
+CASES = [  # (scene, prompt, strict, score)
+    (0, "three triangles", 0, 2 / 3), (0, "one triangle", 0, 0.0), (0, "two triangles", 1, 1.0),
+    (0, "a triangle", 1, 1.0), (0, "a square", 0, 0.0), (0, "a red triangle", 0, 0.75),
+    (1, "a blue square", 0, 0.75), (1, "a green square", 0, 0.5), (1, "a blue circle", 0, 0.0),
+    (1, "a square and a circle", 0, 0.5), (1, "four squares", 0, 0.5),
+    (2, "a circle left of a square", 1, 1.0), (2, "a square right of a circle", 1, 1.0),
+    (2, "a circle above a square", 0, 2 / 3), (2, "a square left of a circle", 0, 2 / 3),
+    (2, "a circle left of a triangle", 0, 1 / 3),
+    (2, "a red circle and a green square", 0, 0.875), (2, "a green square and a yellow circle", 0, 0.75),
+]
+
+
+def test_partial_credit_clauses():
+    strict, score = shapes_eval.score_objects(_objects([SCENES[c[0]] for c in CASES]), [c[1] for c in CASES])
+    for (_, prompt, want_strict, want_score), st, sc in zip(CASES, strict, score):
+        assert (st, sc) == pytest.approx((want_strict, want_score)), prompt
+
+
+def test_unknown_shape_is_ignored():
+    objs = _objects([[("circle", "red", 5, 5, 40)]])
+    objs["shape"][:] = -1
+    assert shapes_eval.score_objects(objs, ["a circle"])[1][0] == 0
+    assert shapes_eval.score_objects(_objects([[]]), ["a circle"])[1][0] == 0
+
+
+def _canvas(n=1, size=32):
+    return np.broadcast_to(shapes.to_unit(shapes.BACKGROUND), (n, size, size, 3)).copy()
+
+
+def test_no_objects_and_off_palette_colors():
+    img = _canvas(3)
+    img[1, 8:16, 8:16] = 1.0  # white square
+    bg = shapes.to_unit(shapes.BACKGROUND)
+    red, yellow = (shapes.to_unit(shapes.PALETTE[c]) - bg for c in ("red", "yellow"))
+    img[2, 8:16, 8:16] = bg + red / np.linalg.norm(red) + yellow / np.linalg.norm(yellow)  # orange: hue halfway
+    out = shapes_eval.evaluate(img, ["a square"] * 3)
+    assert out["detections"] == [[], [], []] and not out["strict"].any()
+
+
+def test_other_figures_are_no_shape():
+    img = _canvas(3)
+    red = shapes.to_unit(shapes.PALETTE["red"])
+    img[0, 8:12, 4:20] = red  # 16 x 4 bar
+    img[1, 8:20, 8:20] = red
+    img[1, 11:17, 11:17] = shapes.to_unit(shapes.BACKGROUND)  # square ring
+    img[2] = shapes.sample_scene("a red triangle", np.random.default_rng(0))[0][::-1]  # upside down
+    out = shapes_eval.evaluate(img, ["a square", "a square", "a triangle"])
+    assert [[d["shape"] for d in dets] for dets in out["detections"]] == [[None], [None], [None]]
+    assert not out["strict"].any()
+
+
+def test_robust_to_pixel_noise():
+    for cat, r in shapes_eval.validate(100, seed=2, noise=0.05).items():
+        assert r["accept"] >= 0.97 and r["reject"] >= 0.97, (cat, r)
+
+
+def test_tiny_components_dropped_and_square_found():
+    img = _canvas()
+    img[0, 2, 2:4] = shapes.to_unit(shapes.PALETTE["red"])  # 2-px speck
+    img[0, 10:19, 10:19] = shapes.to_unit(shapes.PALETTE["green"])  # 9x9 square
+    out = shapes_eval.evaluate(img, ["a green square"])
+    assert out["strict"][0] == 1
+    assert [(d["shape"], d["color"], d["center"]) for d in out["detections"][0]] == [("square", "green", (14.5, 14.5))]
+
+
+def test_same_color_objects_kept_apart():
+    img = _canvas()
+    red = shapes.to_unit(shapes.PALETTE["red"])
+    img[0, 4:12, 4:12] = red
+    img[0, 4:12, 13:21] = red  # one background column between them
+    assert shapes_eval.evaluate(img, ["two squares"])["strict"][0] == 1
+
+
+def test_length_mismatch_raises():
+    with pytest.raises(ValueError, match="2 images but 1 specs"):
+        shapes_eval.evaluate(_canvas(2), ["a circle"])
+
+
+def test_near_misses_differ_by_one_field():
+    for cat in shapes.CATEGORIES:
+        for spec in shapes.all_specs(cat):
+            misses = shapes_eval.near_misses(spec)
+            assert misses and spec not in misses and all(m["category"] == cat for m in misses)
