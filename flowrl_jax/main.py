@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from flowrl_jax.config_lib import ConfigError, require
@@ -16,6 +16,8 @@ from flowrl_jax.config_lib import ConfigError, require
 # job name -> (module with run(config, workdir), fields it requires)
 JOBS = {
     "inspect": ("flowrl_jax.inspect_model", ("model", "mesh", "seed", "inspect.batch_size", "inspect.text_len")),
+    "pretrain": ("flowrl_jax.pretrain", ("model", "text", "mesh", "seed", "pretrain.steps", "pretrain.batch_size")),
+    "eval": ("flowrl_jax.evaluate", ("seed", "eval.checkpoint", "eval.split", "eval.num_steps")),
 }
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Python config file (get_config), optionally :variant.", lock_config=True)
@@ -71,6 +73,8 @@ def run_job(config, workdir: str | None) -> None:
 def main(argv) -> None:
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}; flags look like --config=configs/x.py --config.a.b=value")
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # orbax and jax log every step at INFO; -v 0 brings it back
     if _CONFIG.value is None:
         _fail("--config is required, e.g. --config configs/inspect_mmdit.py")
     try:

@@ -20,7 +20,6 @@ import os
 import re
 from typing import Any, Callable, Sequence
 
-import flax
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -75,9 +74,13 @@ def spec_for(path: str, shape: Sequence[int], mesh: jax.sharding.Mesh, rules=DEF
 
 def tree_shardings(tree: Any, mesh: jax.sharding.Mesh, rules=DEFAULT_RULES, min_fsdp_size: int = 2**14) -> Any:
     """A pytree of NamedShardings mirroring `tree` (arrays or ShapeDtypeStructs)."""
-    flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(tree), sep="/")
-    specs = {path: NamedSharding(mesh, spec_for(path, x.shape, mesh, rules, min_fsdp_size)) for path, x in flat.items()}
-    return flax.traverse_util.unflatten_dict(specs, sep="/")
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, spec_for(path_str(path), x.shape, mesh, rules, min_fsdp_size)), tree)
+
+
+def path_str(path) -> str:
+    """A pytree key path as 'a/b/0/kernel' (dict keys, attribute names and indices)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 def init_sharded(init_fn: Callable[[jax.Array], Any], rng: jax.Array, mesh: jax.sharding.Mesh, rules=DEFAULT_RULES, min_fsdp_size: int = 2**14):

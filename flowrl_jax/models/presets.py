@@ -12,6 +12,11 @@ PRESETS = {
     "tiny": dict(sample_size=8, patch_size=2, in_channels=3, out_channels=3, num_layers=2, attention_head_dim=16,
                  num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32,
                  pos_embed_max_size=8, dual_attention_layers=(0,), qk_norm="rms_norm"),
+    # The embedded world's base model: 32x32 RGB pixels, patch 4 -> 64 tokens, width 128, depth 6 (~3.4M),
+    # sized so pretraining fits ~45 min on 2 CPU cores (WORKSPACE_NOTES.md).
+    "shapes32": dict(sample_size=32, patch_size=4, in_channels=3, out_channels=3, num_layers=6, attention_head_dim=32,
+                     num_attention_heads=4, joint_attention_dim=128, caption_projection_dim=128, pooled_projection_dim=128,
+                     pos_embed_max_size=8, dual_attention_layers=(), qk_norm="rms_norm"),
     # Embedded-world scale: 32x32 RGB, patch 2 -> 256 tokens, width 256, depth 6 (~7M params).
     "small": dict(sample_size=32, patch_size=2, in_channels=3, out_channels=3, num_layers=6, attention_head_dim=64,
                   num_attention_heads=4, joint_attention_dim=128, caption_projection_dim=256, pooled_projection_dim=128,

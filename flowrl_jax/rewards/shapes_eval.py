@@ -35,8 +35,10 @@ Clauses per category (count clauses use the detected objects of the named shape,
   1 - (found - found_with_color) / found, 0 when none is found.
 - relation(A, B): the largest detected A and the largest detected B satisfy `shapes.relation_holds`
   (centroid difference dominated by the relation's axis, with the right sign); 0/1, 0 if either is absent.
-`score` is the mean of the prompt's clause credits and `strict` is 1 iff every clause holds, which is
-the same as score == 1.
+`score` is the mean of the prompt's clause credits and `strict` is 1 iff every clause holds.
+Clutter: every detected component that is none of the three shapes (specks, smears, noise blobs) fails
+`strict` and halves `score`, so noise or smeared samples collect no presence credit (as GenEval's
+detector finds no objects in noise) and an RL policy cannot farm it. Hence strict == 1 iff score == 1.
 """
 from __future__ import annotations
 
@@ -203,7 +205,9 @@ def score_objects(objects: dict, specs) -> tuple[np.ndarray, np.ndarray]:
     credit = np.concatenate([count_credit, color_credit, relation[:, None]], 1)
     use = _CLAUSES[cat]
     strict = np.all((credit >= 1) | ~use, 1)
-    return strict.astype(np.float32), ((credit * use).sum(1) / use.sum(1)).astype(np.float32)
+    score = (credit * use).sum(1) / use.sum(1)
+    junk = np.bincount(np.asarray(objects["image"])[~valid], minlength=B)  # clutter: components of no shape
+    return (strict & (junk == 0)).astype(np.float32), (score * 0.5**junk).astype(np.float32)
 
 
 def evaluate(images: np.ndarray, specs) -> dict:

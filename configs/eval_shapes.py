@@ -1,0 +1,14 @@
+"""GenEval-style table for a checkpoint: `python -m flowrl_jax.main --config configs/eval_shapes.py [--config.eval.checkpoint=shapes32|workdir]`.
+
+Prints per-category and overall strict accuracy and partial score on `test.jsonl` (ODE sampler),
+writes eval.json and eval_grid.png to --workdir (default workdirs/eval).
+"""
+from flowrl_jax import config_lib
+
+
+def get_config(arg: str = ""):
+    config = config_lib.base_config("eval")
+    config.eval = dict(checkpoint="shapes32", use_ema=True, split="test", max_prompts=0, samples_per_prompt=1,
+                       batch_size=96, num_steps=20, cfg=4.0, shift=1.0)
+    config.lock()
+    return config

@@ -1,0 +1,27 @@
+"""Pretrain the shapes world's base model: `python -m flowrl_jax.main --config configs/pretrain_shapes.py --workdir workdirs/pretrain`.
+
+Variants: "" (the shipped `shapes32` run, ~45 min on 2 CPU cores) and "smoke" (a tiny model, a few
+steps: what the tests run).
+"""
+from flowrl_jax import config_lib
+
+
+def get_config(arg: str = ""):
+    smoke = arg == "smoke"
+    config = config_lib.base_config("pretrain")
+    config.model = config_lib.model_config("shapes32")
+    config.text = dict(max_len=10, width=128, depth=2, heads=4)
+    config.pretrain = dict(
+        steps=6000, batch_size=48, lr=4e-4, warmup_steps=300, weight_decay=0.01, grad_clip=1.0, ema_decay=0.999,
+        caption_dropout=0.1, t_logit_mean=0.0, t_logit_std=1.0,
+        log_every=25, eval_every=1000, eval_per_category=16, eval_batch_size=96, checkpoint_every=500, keep_checkpoints=3,
+        sample_steps=20, sample_cfg=4.0, sample_shift=1.0,
+    )
+    if smoke:
+        config.model.update(num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                            caption_projection_dim=32, pooled_projection_dim=32)
+        config.text.update(width=32, depth=1, heads=2)
+        config.pretrain.update(steps=6, batch_size=8, warmup_steps=2, log_every=2, eval_every=6, eval_per_category=2,
+                               eval_batch_size=16, checkpoint_every=3, sample_steps=4)
+    config.lock()
+    return config

@@ -1,0 +1,100 @@
+"""Shipped models, loadable by name: `flowrl_jax/assets/<name>/` (e.g. `shapes32`, the base DiT).
+
+    pipe, params, info = load_pipeline("shapes32")           # a shipped asset, manifest-checked
+    pipe, params, info = load_pipeline("workdirs/pretrain")  # or any pretrain workdir (latest checkpoint)
+
+An asset folder holds `model.json` (DiT + text-encoder hyper-parameters), `tokenizer/`
+(`save_pretrained`), `params/` (orbax, the EMA weights) and `MANIFEST.json`: the training config and
+steps, the measured test scores, and the sha256 of every file. Loading recomputes the hashes and
+names every missing or altered file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+from ml_collections import ConfigDict
+from transformers import PreTrainedTokenizerFast
+
+from flowrl_jax import checkpoint
+
+ASSET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+
+
+class AssetError(RuntimeError):
+    """A shipped asset is missing, incomplete or altered."""
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files(folder: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(root, f), folder) for root, _, names in os.walk(folder) for f in names
+                  if f != "MANIFEST.json")
+
+
+def verify(folder: str) -> dict:
+    """Check every file listed in MANIFEST.json against its sha256; returns the manifest."""
+    manifest_path = os.path.join(folder, "MANIFEST.json")
+    if not os.path.isfile(manifest_path):
+        raise AssetError(f"{manifest_path} is missing: the asset folder is incomplete (reinstall flowrl_jax or re-export it)")
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    missing = [name for name in manifest["files"] if not os.path.isfile(os.path.join(folder, name))]
+    altered = [name for name, digest in manifest["files"].items() if name not in missing and _sha256(os.path.join(folder, name)) != digest]
+    if missing or altered:
+        raise AssetError(f"asset {folder} does not match its MANIFEST.json: missing {missing}, altered {altered}; "
+                         "restore the files from git (git checkout -- flowrl_jax/assets) or re-export the asset")
+    return manifest
+
+
+def _build(folder: str):
+    from flowrl_jax.pretrain import build_pipeline
+
+    with open(os.path.join(folder, "model.json")) as f:
+        desc = json.load(f)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(folder, "tokenizer"))
+    return build_pipeline(ConfigDict(desc), tokenizer)
+
+
+def load_pipeline(name_or_path: str, use_ema: bool = True):
+    """-> (Pipeline, params {"dit", "text"}, info) from a shipped asset name or a pretrain workdir."""
+    asset = os.path.join(ASSET_DIR, name_or_path)
+    if os.path.isdir(asset):
+        manifest = verify(asset)
+        params = checkpoint.load_params(os.path.join(asset, "params"))
+        return _build(asset), params, {"name": name_or_path, "path": asset, "manifest": manifest}
+    ckpt_dir = os.path.join(name_or_path, "checkpoints")
+    if not os.path.isdir(ckpt_dir):
+        shipped = sorted(os.listdir(ASSET_DIR)) if os.path.isdir(ASSET_DIR) else []
+        raise FileNotFoundError(f"{name_or_path!r} is neither a shipped asset ({shipped}) nor a workdir with checkpoints/")
+    ckpt = checkpoint.Checkpointer(ckpt_dir)
+    step = ckpt.latest_step()
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint in {ckpt_dir}: train first, or point to a shipped asset")
+    state, meta = ckpt.restore(step, None)
+    return _build(name_or_path), state["ema" if use_ema else "params"], {"name": name_or_path, "path": name_or_path, "step": step}
+
+
+def export(workdir: str, name: str, extra: dict) -> str:
+    """Write `flowrl_jax/assets/<name>/` from a pretrain workdir's latest checkpoint (EMA weights)
+    and its MANIFEST.json (`extra` adds e.g. the measured scores)."""
+    _, params, info = load_pipeline(workdir, use_ema=True)
+    folder = os.path.join(ASSET_DIR, name)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(folder)
+    shutil.copy(os.path.join(workdir, "model.json"), folder)
+    shutil.copytree(os.path.join(workdir, "tokenizer"), os.path.join(folder, "tokenizer"))
+    checkpoint.save_params(os.path.join(folder, "params"), params)
+    manifest = {"name": name, "source_step": info["step"], **extra,
+                "files": {f: _sha256(os.path.join(folder, f)) for f in _files(folder)}}
+    with open(os.path.join(folder, "MANIFEST.json"), "w") as f:
+        json.dump(manifest, f, indent=2)
+    return folder
