@@ -146,3 +146,18 @@ def test_near_misses_differ_by_one_field():
         for spec in shapes.all_specs(cat):
             misses = shapes_eval.near_misses(spec)
             assert misses and spec not in misses and all(m["category"] == cat for m in misses)
+
+
+def test_noise_and_clutter_earn_nothing():
+    """Pure noise contains blobs of palette colors; they must not earn presence credit (the RL policy
+    would farm it), and junk beside a correct object fails strict and halves the score."""
+    test = shapes.load_prompts("test")
+    rng = np.random.default_rng(0)
+    noise = np.clip(rng.normal(0, 1.0, (len(test), 32, 32, 3)), -1, 1).astype(np.float32)
+    out = shapes_eval.evaluate(noise, [p["spec"] for p in test])
+    assert out["strict"].sum() == 0 and out["score"].mean() < 0.05
+    img = _canvas()
+    img[0, 10:19, 10:19] = shapes.to_unit(shapes.PALETTE["green"])  # a clean green square...
+    img[0, 22:26, 2:18] = shapes.to_unit(shapes.PALETTE["red"])  # ...and a red bar (no shape)
+    out = shapes_eval.evaluate(img, ["a green square"])
+    assert out["strict"][0] == 0 and out["score"][0] == pytest.approx(0.5)
