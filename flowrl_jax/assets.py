@@ -1,7 +1,9 @@
-"""Shipped models, loadable by name: `flowrl_jax/assets/<name>/` (e.g. `shapes32`, the base DiT).
+"""Shipped models, loadable by name: `flowrl_jax/assets/<name>/` (`shapes32`: the base DiT and text
+encoder; `shapes32_reward`: the learned reward).
 
     pipe, params, info = load_pipeline("shapes32")           # a shipped asset, manifest-checked
     pipe, params, info = load_pipeline("workdirs/pretrain")  # or any pretrain workdir (latest checkpoint)
+    reward, reward_params, tokenizer, manifest = load_reward("shapes32_reward")
 
 An asset folder holds `model.json` (DiT + text-encoder hyper-parameters), `tokenizer/`
 (`save_pretrained`), `params/` (orbax, the EMA weights) and `MANIFEST.json`: the training config and
@@ -67,7 +69,7 @@ def _build(folder: str):
 def load_pipeline(name_or_path: str, use_ema: bool = True):
     """-> (Pipeline, params {"dit", "text"}, info) from a shipped asset name or a pretrain workdir."""
     asset = os.path.join(ASSET_DIR, name_or_path)
-    if os.path.isdir(asset):
+    if os.sep not in name_or_path and os.path.isdir(asset):  # a bare name is a shipped asset
         manifest = verify(asset)
         params = checkpoint.load_params(os.path.join(asset, "params"))
         return _build(asset), params, {"name": name_or_path, "path": asset, "manifest": manifest}
@@ -93,8 +95,27 @@ def export(workdir: str, name: str, extra: dict) -> str:
     shutil.copy(os.path.join(workdir, "model.json"), folder)
     shutil.copytree(os.path.join(workdir, "tokenizer"), os.path.join(folder, "tokenizer"))
     checkpoint.save_params(os.path.join(folder, "params"), params)
-    manifest = {"name": name, "source_step": info["step"], **extra,
-                "files": {f: _sha256(os.path.join(folder, f)) for f in _files(folder)}}
+    write_manifest(folder, {"name": name, "source_step": info["step"], **extra})
+    return folder
+
+
+def write_manifest(folder: str, fields: dict) -> dict:
+    """MANIFEST.json = `fields` + the sha256 of every other file in `folder`."""
+    manifest = {**fields, "files": {f: _sha256(os.path.join(folder, f)) for f in _files(folder)}}
     with open(os.path.join(folder, "MANIFEST.json"), "w") as f:
         json.dump(manifest, f, indent=2)
-    return folder
+    return manifest
+
+
+def load_reward(name: str = "shapes32_reward"):
+    """-> (LearnedReward, params, tokenizer, manifest) of a shipped learned reward."""
+    from flowrl_jax.rewards.learned import LearnedReward
+
+    folder = os.path.join(ASSET_DIR, name)
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"no shipped reward {name!r} in {ASSET_DIR}; train one with configs/train_reward.py")
+    manifest = verify(folder)
+    with open(os.path.join(folder, "model.json")) as f:
+        model = LearnedReward(**json.load(f)["reward"])
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(folder, "tokenizer"))
+    return model, checkpoint.load_params(os.path.join(folder, "params")), tokenizer, manifest

@@ -17,6 +17,7 @@ from flowrl_jax.config_lib import ConfigError, require
 JOBS = {
     "inspect": ("flowrl_jax.inspect_model", ("model", "mesh", "seed", "inspect.batch_size", "inspect.text_len")),
     "pretrain": ("flowrl_jax.pretrain", ("model", "text", "mesh", "seed", "pretrain.steps", "pretrain.batch_size")),
+    "train_reward": ("flowrl_jax.train_reward", ("seed", "reward.base", "reward.steps")),
     "eval": ("flowrl_jax.evaluate", ("seed", "eval.checkpoint", "eval.split", "eval.num_steps")),
 }
 

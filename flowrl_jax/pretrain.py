@@ -161,26 +161,28 @@ def run(config, workdir: str | None) -> dict:
     last = {}
     t_start = time.time()
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="pretrain", dynamic_ncols=True)
-    for step in bar:
-        batch = parallel.shard_batch(stream.get(step), mesh)
-        state, stats = step_fn(state, batch)
-        done = step + 1
-        if done % cfg.log_every == 0 or done == cfg.steps:
-            stats = {k: float(v) for k, v in stats.items()}
-            if not np.isfinite(stats["loss"]):
-                raise FloatingPointError(f"loss is {stats['loss']} at step {done}; the last good checkpoint in {ckpt.directory} is kept "
-                                         "(lower pretrain.lr or raise pretrain.warmup_steps)")
-            stats["steps_per_s"] = (done - start) / (time.time() - t_start)
-            writer.scalars(done, stats)
-            bar.set_postfix(loss=f"{stats['loss']:.4f}")
-        if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
-            result = evaluate.geneval(pipe, state["ema"], probe, jax.random.PRNGKey(0), 1, cfg.eval_batch_size, sampler=sampler)
-            last = result["table"]
-            writer.scalars(done, {f"eval/{k}/{m}": v[m] for k, v in last.items() for m in ("strict", "score")})
-            evaluate.category_grid(result, os.path.join(workdir, f"samples_{done:06d}.png"))
-            bar.write(f"step {done}: eval strict {last['overall']['strict']:.3f} score {last['overall']['score']:.3f}")
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-            ckpt.save(done, state, {"step": done, "eval": last})
-    ckpt.close()
-    writer.close()
+    try:
+        for step in bar:
+            batch = parallel.shard_batch(stream.get(step), mesh)
+            state, stats = step_fn(state, batch)
+            done = step + 1
+            if done % cfg.log_every == 0 or done == cfg.steps:
+                stats = {k: float(v) for k, v in stats.items()}
+                if not np.isfinite(stats["loss"]):
+                    raise FloatingPointError(f"loss is {stats['loss']} at step {done}; the last good checkpoint in {ckpt.directory} is kept "
+                                             "(lower pretrain.lr or raise pretrain.warmup_steps)")
+                stats["steps_per_s"] = (done - start) / (time.time() - t_start)
+                writer.scalars(done, stats)
+                bar.set_postfix(loss=f"{stats['loss']:.4f}")
+            if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
+                result = evaluate.geneval(pipe, state["ema"], probe, jax.random.PRNGKey(0), 1, cfg.eval_batch_size, sampler=sampler)
+                last = result["table"]
+                writer.scalars(done, {f"eval/{k}/{m}": v[m] for k, v in last.items() for m in ("strict", "score")})
+                evaluate.category_grid(result, os.path.join(workdir, f"samples_{done:06d}.png"))
+                bar.write(f"step {done}: eval strict {last['overall']['strict']:.3f} score {last['overall']['score']:.3f}")
+            if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+                ckpt.save(done, state, {"step": done, "eval": last})
+    finally:  # an interrupted run keeps every checkpoint it started writing
+        ckpt.close()
+        writer.close()
     return {"step": int(state["step"]), "eval": last}

@@ -1,0 +1,16 @@
+"""Train the learned reward: `python -m flowrl_jax.main --config configs/train_reward.py --workdir workdirs/reward`.
+
+Variant "smoke": a few steps on little data (what the tests run); `--config.reward.base` picks the
+base model whose samples join the data (a shipped name or a pretrain workdir).
+"""
+from flowrl_jax import config_lib
+
+
+def get_config(arg: str = ""):
+    config = config_lib.base_config("train_reward")
+    config.reward = dict(base="shapes32", rendered=24000, generated_train=4800, generated_test=1152, cfgs=(1.5, 3.0, 5.0),
+                         width=96, heads=4, steps=3000, batch_size=128, lr=1e-3, export="")
+    if arg == "smoke":
+        config.reward.update(rendered=64, generated_train=16, generated_test=16, cfgs=(3.0,), width=16, heads=2, steps=4, batch_size=8)
+    config.lock()
+    return config
