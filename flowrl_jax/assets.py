@@ -119,3 +119,25 @@ def load_reward(name: str = "shapes32_reward"):
         model = LearnedReward(**json.load(f)["reward"])
     tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(folder, "tokenizer"))
     return model, checkpoint.load_params(os.path.join(folder, "params")), tokenizer, manifest
+
+
+def run(config, workdir: str | None) -> dict:
+    """The `export` job: measure a pretrain workdir's GenEval-style table on test.jsonl and ship its
+    EMA weights as `flowrl_jax/assets/<export.name>/` with the table in MANIFEST.json."""
+    import jax
+
+    from flowrl_jax import evaluate
+    from flowrl_jax.data import shapes
+
+    cfg = config.export
+    pipe, params, info = load_pipeline(cfg.workdir)
+    e = cfg.eval
+    result = evaluate.geneval(pipe, params, shapes.load_prompts("test"), jax.random.PRNGKey(config.seed), e.samples_per_prompt,
+                              e.batch_size, e.num_steps, e.cfg, e.shift, progress=True)
+    print(evaluate.format_table(result["table"]))
+    with open(os.path.join(cfg.workdir, "model.json")) as f:
+        model = json.load(f)
+    folder = export(cfg.workdir, cfg.name, {"model": model, "training_steps": info["step"], "test_eval": result["table"],
+                                            "test_eval_settings": e.to_dict()})
+    print(f"exported {folder}")
+    return result["table"]

@@ -18,6 +18,7 @@ JOBS = {
     "inspect": ("flowrl_jax.inspect_model", ("model", "mesh", "seed", "inspect.batch_size", "inspect.text_len")),
     "pretrain": ("flowrl_jax.pretrain", ("model", "text", "mesh", "seed", "pretrain.steps", "pretrain.batch_size")),
     "train_reward": ("flowrl_jax.train_reward", ("seed", "reward.base", "reward.steps")),
+    "export": ("flowrl_jax.assets", ("seed", "export.workdir", "export.name")),
     "eval": ("flowrl_jax.evaluate", ("seed", "eval.checkpoint", "eval.split", "eval.num_steps")),
 }
 
@@ -59,8 +60,8 @@ def parse_flags(argv):
         _fail(lines[0].split(":")[0] + ": " + lines[-1] if "Traceback" in str(e) else " ".join(lines))
 
 
-def run_job(config, workdir: str | None) -> None:
-    """Check `config` for its job and run it."""
+def run_job(config, workdir: str | None):
+    """Check `config` for its job, run it and return what it returns."""
     job = config.get("job")
     if not job:
         raise ConfigError("config has no field 'job'; set config.job to one of " + ", ".join(sorted(JOBS)))
@@ -68,7 +69,7 @@ def run_job(config, workdir: str | None) -> None:
         raise ConfigError(f"unknown job {job!r} (config.job); known jobs: {', '.join(sorted(JOBS))}")
     module, required = JOBS[job]
     require(config, required)
-    importlib.import_module(module).run(config, workdir)
+    return importlib.import_module(module).run(config, workdir)
 
 
 def main(argv) -> None:

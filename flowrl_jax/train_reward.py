@@ -28,13 +28,13 @@ from flowrl_jax.data import shapes
 from flowrl_jax.rewards import learned
 
 
-def generate(pipe, params, prompts: list[dict], n: int, cfgs, seed: int, batch_size: int = 96):
-    """n base-model samples (ODE, 20 steps), prompts balanced over categories, CFG scales cycled
-    per batch -> (images [n, H, W, 3], rows)."""
+def generate(pipe, params, prompts: list[dict], n: int, samplers: dict, seed: int, batch_size: int = 96):
+    """n base-model samples, prompts balanced over categories, the `samplers` ({cfg: jitted ODE
+    sampler}) cycled per batch -> (images [n, H, W, 3], rows)."""
     rng = np.random.default_rng(seed)
     by_cat = {c: [p for p in prompts if p["category"] == c] for c in shapes.CATEGORIES}
     rows = [by_cat[c][rng.integers(len(by_cat[c]))] for c in rng.choice(shapes.CATEGORIES, size=n)]
-    samplers = {c: evaluate.make_sampler(pipe, 20, c, 1.0) for c in cfgs}
+    cfgs = sorted(samplers)
     images = []
     for i, start in enumerate(tqdm(range(0, n, batch_size), desc="base samples", leave=False)):
         chunk = rows[start : start + batch_size]
@@ -57,8 +57,9 @@ def run(config, workdir: str | None) -> dict:
     train, test = shapes.load_prompts("train"), shapes.load_prompts("test")
     rng = np.random.default_rng(config.seed)
 
-    gen_train = generate(pipe, base_params, train, cfg.generated_train, tuple(cfg.cfgs), seed=config.seed + 1)
-    gen_test = generate(pipe, base_params, test, cfg.generated_test, tuple(cfg.cfgs), seed=config.seed + 2)
+    samplers = {c: evaluate.make_sampler(pipe, 20, c, 1.0) for c in cfg.cfgs}
+    gen_train = generate(pipe, base_params, train, cfg.generated_train, samplers, seed=config.seed + 1)
+    gen_test = generate(pipe, base_params, test, cfg.generated_test, samplers, seed=config.seed + 2)
     data = learned.make_reward_data(train + test, cfg.rendered, rng, pipe.dit.sample_size, generated=gen_train)
     held = learned.make_reward_data(test, 0, rng, generated=gen_test)
     ids, mask = pipe.tokenize(data["prompts"])
@@ -66,7 +67,8 @@ def run(config, workdir: str | None) -> dict:
 
     model = learned.LearnedReward(vocab_size=len(pipe.tokenizer), width=cfg.width, heads=cfg.heads, max_len=pipe.text.max_len)
     params = model.init(jax.random.PRNGKey(config.seed), data["images"][:2], ids[:2], mask[:2])["params"]
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, 200, cfg.steps, end_value=0.05 * cfg.lr)
+    warmup = min(200, cfg.steps // 4)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, cfg.steps, end_value=0.05 * cfg.lr)
     opt = optax.adamw(schedule, weight_decay=1e-4)
     opt_state = opt.init(params)
 

@@ -91,7 +91,7 @@ def make_reward_data(prompts: list[dict], n: int, rng: np.random.Generator, size
         images.append(image)
         rows.append(target)
         source.append("own" if u < 0.4 else "other" if u < 0.75 else "corrupt")
-    images = np.stack(images).astype(np.float32)
+    images = np.stack(images).astype(np.float32) if images else np.zeros((0, size, size, 3), np.float32)
     if generated is not None:
         images = np.concatenate([images, generated[0].astype(np.float32)])
         rows = rows + list(generated[1])

@@ -1,0 +1,14 @@
+"""Ship a pretrained base model: `python -m flowrl_jax.main --config configs/export_shapes32.py`.
+
+Measures the GenEval-style table of `export.workdir` (ODE, 20 steps, the tuned CFG) and writes
+`flowrl_jax/assets/<export.name>/` with it in MANIFEST.json.
+"""
+from flowrl_jax import config_lib
+
+
+def get_config(arg: str = ""):
+    config = config_lib.base_config("export")
+    config.export = dict(workdir="workdirs/pretrain_shapes32", name="shapes32",
+                         eval=dict(samples_per_prompt=2, batch_size=96, num_steps=20, cfg=4.0, shift=1.0))
+    config.lock()
+    return config
