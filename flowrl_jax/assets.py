@@ -17,6 +17,8 @@ import json
 import os
 import shutil
 
+import jax
+import jax.numpy as jnp
 from ml_collections import ConfigDict
 from transformers import PreTrainedTokenizerFast
 
@@ -71,7 +73,7 @@ def load_pipeline(name_or_path: str, use_ema: bool = True):
     asset = os.path.join(ASSET_DIR, name_or_path)
     if os.sep not in name_or_path and os.path.isdir(asset):  # a bare name is a shipped asset
         manifest = verify(asset)
-        params = checkpoint.load_params(os.path.join(asset, "params"))
+        params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), checkpoint.load_params(os.path.join(asset, "params")))
         return _build(asset), params, {"name": name_or_path, "path": asset, "manifest": manifest}
     ckpt_dir = os.path.join(name_or_path, "checkpoints")
     if not os.path.isdir(ckpt_dir):
@@ -85,18 +87,18 @@ def load_pipeline(name_or_path: str, use_ema: bool = True):
     return _build(name_or_path), state["ema" if use_ema else "params"], {"name": name_or_path, "path": name_or_path, "step": step}
 
 
-def export(workdir: str, name: str, extra: dict) -> str:
-    """Write `flowrl_jax/assets/<name>/` from a pretrain workdir's latest checkpoint (EMA weights)
-    and its MANIFEST.json (`extra` adds e.g. the measured scores)."""
+def export(workdir: str, name: str) -> tuple[str, int]:
+    """Write `flowrl_jax/assets/<name>/` from a pretrain workdir's latest checkpoint: the EMA weights
+    stored as bfloat16 (half the bytes; loaded back as float32). Returns (folder, step); the caller
+    measures the asset as loaded and writes its MANIFEST.json."""
     _, params, info = load_pipeline(workdir, use_ema=True)
     folder = os.path.join(ASSET_DIR, name)
     shutil.rmtree(folder, ignore_errors=True)
     os.makedirs(folder)
     shutil.copy(os.path.join(workdir, "model.json"), folder)
     shutil.copytree(os.path.join(workdir, "tokenizer"), os.path.join(folder, "tokenizer"))
-    checkpoint.save_params(os.path.join(folder, "params"), params)
-    write_manifest(folder, {"name": name, "source_step": info["step"], **extra})
-    return folder
+    checkpoint.save_params(os.path.join(folder, "params"), jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.bfloat16), params))
+    return folder, info["step"]
 
 
 def write_manifest(folder: str, fields: dict) -> dict:
@@ -122,22 +124,22 @@ def load_reward(name: str = "shapes32_reward"):
 
 
 def run(config, workdir: str | None) -> dict:
-    """The `export` job: measure a pretrain workdir's GenEval-style table on test.jsonl and ship its
-    EMA weights as `flowrl_jax/assets/<export.name>/` with the table in MANIFEST.json."""
-    import jax
-
+    """The `export` job: ship a pretrain workdir's EMA weights as `flowrl_jax/assets/<export.name>/`,
+    measure the asset as loaded (GenEval-style table on test.jsonl) and record it in MANIFEST.json."""
     from flowrl_jax import evaluate
     from flowrl_jax.data import shapes
 
-    cfg = config.export
-    pipe, params, info = load_pipeline(cfg.workdir)
-    e = cfg.eval
+    cfg, e = config.export, config.export.eval
+    folder, step = export(cfg.workdir, cfg.name)
+    write_manifest(folder, {"name": cfg.name})  # provisional, so that the asset loads for measuring
+    pipe, params, _ = load_pipeline(cfg.name)
     result = evaluate.geneval(pipe, params, shapes.load_prompts("test"), jax.random.PRNGKey(config.seed), e.samples_per_prompt,
                               e.batch_size, e.num_steps, e.cfg, e.shift, progress=True)
     print(evaluate.format_table(result["table"]))
-    with open(os.path.join(cfg.workdir, "model.json")) as f:
+    with open(os.path.join(folder, "model.json")) as f:
         model = json.load(f)
-    folder = export(cfg.workdir, cfg.name, {"model": model, "training_steps": info["step"], "test_eval": result["table"],
-                                            "test_eval_settings": e.to_dict()})
+    write_manifest(folder, {"name": cfg.name, "source": cfg.workdir, "training_steps": step, "model": model,
+                            "test_eval": result["table"], "test_eval_settings": e.to_dict(), "notes": cfg.notes})
+    evaluate.category_grid(result, os.path.join(workdir or cfg.workdir, f"{cfg.name}_test_grid.png"))
     print(f"exported {folder}")
     return result["table"]
