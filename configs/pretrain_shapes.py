@@ -1,7 +1,7 @@
 """Pretrain the shapes world's base model: `python -m flowrl_jax.main --config configs/pretrain_shapes.py --workdir workdirs/pretrain`.
 
-Variants: "" (the shipped `shapes32` run, ~45 min on 2 CPU cores) and "smoke" (a tiny model, a few
-steps: what the tests run).
+Variants: "" (the `shapes32` run), "64" (the same recipe on 64x64 scenes: 256 tokens at patch 4) and
+"smoke" (a tiny model, a few steps: what the tests run).
 """
 from flowrl_jax import config_lib
 
@@ -17,6 +17,8 @@ def get_config(arg: str = ""):
         log_every=25, eval_every=1000, eval_per_category=16, eval_batch_size=96, checkpoint_every=500, keep_checkpoints=3,
         sample_steps=20, sample_cfg=4.0, sample_shift=1.0,
     )
+    if arg == "64":
+        config.model.update(sample_size=64, pos_embed_max_size=16)
     if smoke:
         config.model.update(num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                             caption_projection_dim=32, pooled_projection_dim=32)

@@ -26,7 +26,7 @@ from flowrl_jax.rewards import shapes_eval
 
 class LearnedReward(nn.Module):
     vocab_size: int
-    width: int = 96
+    width: int = 64
     heads: int = 4
     max_len: int = 10
 
