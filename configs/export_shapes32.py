@@ -9,6 +9,6 @@ from flowrl_jax import config_lib
 def get_config(arg: str = ""):
     config = config_lib.base_config("export")
     config.export = dict(workdir="workdirs/pretrain_shapes32", name="shapes32", notes="",
-                         eval=dict(samples_per_prompt=2, batch_size=96, num_steps=20, cfg=4.0, shift=1.0))
+                         eval=dict(samples_per_prompt=2, batch_size=96, num_steps=20, cfg=3.0, shift=1.0))
     config.lock()
     return config
