@@ -12,7 +12,7 @@ def get_config(arg: str = ""):
     config.model = config_lib.model_config("shapes32")
     config.text = dict(max_len=10, width=128, depth=2, heads=4)
     config.pretrain = dict(
-        steps=6000, batch_size=48, lr=4e-4, warmup_steps=300, weight_decay=0.01, grad_clip=1.0, ema_decay=0.999,
+        steps=12000, batch_size=48, lr=4e-4, warmup_steps=300, weight_decay=0.01, grad_clip=1.0, ema_decay=0.999,
         caption_dropout=0.1, t_logit_mean=0.0, t_logit_std=1.0,
         log_every=25, eval_every=1000, eval_per_category=16, eval_batch_size=96, checkpoint_every=500, keep_checkpoints=3,
         sample_steps=20, sample_cfg=4.0, sample_shift=1.0,

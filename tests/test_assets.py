@@ -16,8 +16,17 @@ from flowrl_jax.models.text import tokenize
 from flowrl_jax.rewards import shapes_eval
 from flowrl_jax.train_reward import pearson
 
-SHIPPED = os.path.isdir(os.path.join(assets.ASSET_DIR, "shapes32")) and os.path.isdir(os.path.join(assets.ASSET_DIR, "shapes32_reward"))
-needs_shipped = pytest.mark.skipif(not SHIPPED, reason="the shapes32 assets are not shipped in this checkout")
+SHIPPED_DIR = assets.ASSET_DIR  # the smoke_asset fixture points assets.ASSET_DIR elsewhere while it lives
+
+
+@pytest.fixture
+def shipped_dir(monkeypatch):
+    monkeypatch.setattr(assets, "ASSET_DIR", SHIPPED_DIR)
+    return SHIPPED_DIR
+
+
+def _shipped(name):
+    return pytest.mark.skipif(not os.path.isdir(os.path.join(assets.ASSET_DIR, name)), reason=f"asset {name} is not shipped yet")
 
 
 def _config(path, variant="", **fields):
@@ -92,8 +101,8 @@ def test_train_reward_smoke(smoke_asset, tmp_path):
     assert json.loads((tmp_path / "reward_eval.json").read_text()) == result
 
 
-@needs_shipped
-def test_shipped_base_model_samples_a_batch():
+@_shipped("shapes32")
+def test_shipped_base_model_samples_a_batch(shipped_dir):
     pipe, params, info = assets.load_pipeline("shapes32")
     prompts = [p for p in shapes.load_prompts("test") if p["category"] == "colors"][:8]
     ids, mask = pipe.tokenize([p["prompt"] for p in prompts])
@@ -104,10 +113,10 @@ def test_shipped_base_model_samples_a_batch():
     assert sum(any(d["shape"] for d in dets) for dets in detections) >= 5  # a trained model draws shapes
 
 
-@needs_shipped
-def test_learned_reward_tracks_the_exact_score_on_held_out_base_samples():
+@_shipped("shapes32_reward")  # not shipped: its measured Pearson (0.69) is below the 0.8 bar
+def test_learned_reward_tracks_the_exact_score_on_held_out_base_samples(shipped_dir):
     reward, params, tokenizer, manifest = assets.load_reward("shapes32_reward")
-    held = np.load(os.path.join(assets.ASSET_DIR, "shapes32_reward", "heldout.npz"))
+    held = np.load(os.path.join(shipped_dir, "shapes32_reward", "heldout.npz"))
     images = held["images"].astype(np.float32) / 127.5 - 1.0
     prompts = [str(p) for p in held["prompts"]]
     exact = shapes_eval.evaluate(images, prompts)["score"]  # recomputed here, independently of training
