@@ -18,7 +18,7 @@ import numpy as np
 
 from flowrl_jax.models import text as text_lib
 from flowrl_jax.models.mmdit import MMDiT
-from flowrl_jax.sampling import ode, schedule
+from flowrl_jax.sampling import rollout, schedule
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -35,18 +35,22 @@ class Pipeline:
         return self.text.apply({"params": text_params}, ids, mask)
 
     def velocity_fn(self, dit_params):
-        """`(x, sigma, (text_tokens, pooled)) -> v`, the form `sampling.ode` takes."""
+        """`(x, sigma, (text_tokens, pooled)) -> v`, the form `sampling.rollout.guided` takes."""
         return lambda x, sigma, cond: self.dit.apply({"params": dit_params}, x, sigma, *cond)
 
     def image_shape(self, batch: int) -> tuple[int, int, int, int]:
         s = self.dit.sample_size
         return (batch, s, s, self.dit.in_channels)
 
+    def null_condition(self, text_params, batch: int):
+        """The empty prompt's (text_tokens, pooled), broadcast to `batch` rows: the CFG null condition."""
+        null_ids, null_mask = self.tokenize([""])
+        null = self.encode(text_params, jnp.asarray(null_ids), jnp.asarray(null_mask))
+        return jax.tree_util.tree_map(lambda u: jnp.broadcast_to(u, (batch,) + u.shape[1:]), null)
+
     def sample(self, params, ids, mask, rng, num_steps: int = 20, cfg: float = 4.0, shift: float = 1.0):
         """Euler ODE samples for the prompts `ids, mask` from noise drawn with `rng`."""
         cond = self.encode(params["text"], ids, mask)
-        null_ids, null_mask = self.tokenize([""])
-        null = self.encode(params["text"], jnp.asarray(null_ids), jnp.asarray(null_mask))
-        null = jax.tree_util.tree_map(lambda u: jnp.broadcast_to(u, (ids.shape[0],) + u.shape[1:]), null)
+        velocity = rollout.guided(self.velocity_fn(params["dit"]), cond, self.null_condition(params["text"], ids.shape[0]), cfg)
         x_T = jax.random.normal(rng, self.image_shape(ids.shape[0]))
-        return ode.sample_ode(self.velocity_fn(params["dit"]), x_T, schedule.sigmas(num_steps, shift), cond, null, cfg)
+        return rollout.sample(velocity, x_T, schedule.sigmas(num_steps, shift))

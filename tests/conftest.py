@@ -33,3 +33,19 @@ def random_inputs(model, batch=2, text_len=5, height=None, width=None, seed=0):
     k = jax.random.split(jax.random.PRNGKey(seed), 4)
     return (jax.random.normal(k[0], x.shape), jax.random.uniform(k[1], (batch,), minval=0.05, maxval=0.95),
             jax.random.normal(k[2], txt.shape), jax.random.normal(k[3], pooled.shape))
+
+
+def gaussian_velocity(m, s):
+    """Exact v(x, t) = E[eps - x0 | x_t = x] for x0 ~ N(m, s^2) per element, eps ~ N(0, 1),
+    x_t = (1 - t) x0 + t eps; `(x [B, ...], t [B]) -> v`."""
+    def v(x, t):
+        t = jnp.reshape(t, t.shape + (1,) * (x.ndim - jnp.ndim(t)))
+        var = (1 - t) ** 2 * s**2 + t**2
+        r = x - (1 - t) * m
+        return t / var * r - (m + (1 - t) * s**2 / var * r)
+    return v
+
+
+def gaussian_marginal(m, s, t):
+    """(mean, std) of x_t for x0 ~ N(m, s^2)."""
+    return (1 - t) * m, ((1 - t) ** 2 * s**2 + t**2) ** 0.5

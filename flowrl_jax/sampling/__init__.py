@@ -1,1 +1,2 @@
-"""Samplers: the sigma schedule (schedule.py) and the deterministic CFG ODE sampler (ode.py)."""
+"""Samplers: the sigma schedule (schedule.py), the transition kernels (kernels.py) and the scanned
+trajectories with CFG (rollout.py)."""

@@ -1,0 +1,111 @@
+"""Trajectories of the reverse process under one transition kernel, as a `lax.scan` (SPEC.md §1, §6).
+
+    velocity = guided(velocity_fn, cond, null_cond, cfg)         # CFG velocity, (x, sigma) -> v
+    ro = rollout(velocity, x_T, sigmas, noise_levels(T, a, window), rng, kind="sde", patch_size=p)
+    images = ro.final                                            # [B, H, W, C]
+    x0 = sample(velocity, x_T, sigmas)                           # ODE, final sample only
+
+A `Rollout` holds, per sample and step (`[B, T, ...]`, batch first so that it shards on the mesh's
+data axes): the state `x_t`, the next state, the kernel's mean and std, the per-token log-prob `l[b, t, k]`
+of the next state, and the Tweedie estimate `x0_hat = x_t - sigma_t v`. Steps outside the SDE window
+run the ODE (noise level 0, std 0, log-prob 0) and are never trained (`trained`).
+
+Everything is a global `jax.Array`: jit it with the batch sharded on the mesh (`parallel.batch_sharding`)
+and it runs unchanged on one device, eight, or a multi-host pod; the noise is drawn inside for the global
+batch, so the result does not depend on the sharding.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from flowrl_jax.sampling import kernels
+
+
+@flax.struct.dataclass
+class Rollout:
+    states: jax.Array        # [B, T, H, W, C] x_t before step t
+    next_states: jax.Array   # [B, T, H, W, C]
+    means: jax.Array         # [B, T, H, W, C] kernel mean under the rollout policy
+    stds: jax.Array          # [B, T]
+    logp: jax.Array          # [B, T, N] per-token log-prob of next_states (0 on ODE steps)
+    x0_hat: jax.Array        # [B, T, H, W, C] Tweedie estimate at x_t
+    sigmas: jax.Array        # [T + 1]
+    noise_levels: jax.Array  # [T] the kernel's `a` per step, 0 outside the SDE window
+
+    @property
+    def final(self) -> jax.Array:
+        return self.next_states[:, -1]
+
+    @property
+    def trained(self) -> jax.Array:
+        """[T] bool: the steps an objective trains on (inside the SDE window)."""
+        return self.noise_levels > 0
+
+
+def guided(velocity_fn: Callable, cond: Any, null_cond: Any, cfg: float) -> Callable:
+    """`(x, sigma [B]) -> v_u + cfg (v_c - v_u)` (SPEC §0), both branches in one doubled batch;
+    `velocity_fn(x, sigma, cond) -> v`. cfg == 1 skips the unconditional branch."""
+
+    def velocity(x, sigma):
+        if cfg == 1.0:
+            return velocity_fn(x, sigma, cond)
+        b = x.shape[0]
+        both = jax.tree_util.tree_map(lambda c, u: jnp.concatenate([c, u]), cond, null_cond)
+        v = velocity_fn(jnp.concatenate([x, x]), jnp.concatenate([sigma, sigma]), both)
+        return v[b:] + cfg * (v[:b] - v[b:])
+
+    return velocity
+
+
+def noise_levels(num_steps: int, a: float, window: tuple[int, int] | None = None) -> jnp.ndarray:
+    """[T]: `a` on the SDE window's steps `start .. start + size - 1`, 0 (ODE) elsewhere; None = all steps."""
+    start, size = window if window is not None else (0, num_steps)
+    if not (0 <= start and size >= 1 and start + size <= num_steps):
+        raise ValueError(f"sde_window=({start}, {size}) does not fit in {num_steps} steps: need 0 <= start, size >= 1, "
+                         f"start + size <= {num_steps}")
+    steps = jnp.arange(num_steps)
+    return jnp.where((steps >= start) & (steps < start + size), a, 0.0).astype(jnp.float32)
+
+
+def initial_noise(rng, shape, group_size: int = 1, same_per_group: bool = False) -> jax.Array:
+    """x_T [B, H, W, C]; with `same_per_group` every run of `group_size` rows (one prompt's group) shares it."""
+    if not same_per_group:
+        return jax.random.normal(rng, shape)
+    groups = jax.random.normal(rng, (shape[0] // group_size,) + tuple(shape[1:]))
+    return jnp.repeat(groups, group_size, axis=0)
+
+
+def rollout(velocity: Callable, x_T, sigmas, levels, rng, kind: str = "sde", patch_size: int = 1,
+            logprob_form: str = "gaussian") -> Rollout:
+    """Run `T = len(levels)` steps from x_T [B, H, W, C] at `sigmas[0]`; step t uses `kind` with noise
+    level `levels[t]` (0 = ODE). Returns the `Rollout` (module doc)."""
+    num_steps = levels.shape[0]
+    sigma_1 = sigmas[1]
+    keys = jax.random.split(rng, num_steps)
+
+    def step(x, inputs):
+        sigma, sigma_next, a, key = inputs
+        mean, std, v = kernels.transition(kind, velocity, x, sigma, sigma_next, a, sigma_1)
+        x_next = mean + kernels._col(std, x) * jax.random.normal(key, x.shape, x.dtype)
+        logp = kernels.token_logprob(x_next, mean, std, patch_size, logprob_form)
+        x0_hat = x - kernels._col(jnp.broadcast_to(sigma, std.shape), x) * v
+        return x_next, (x, x_next, mean, std, logp, x0_hat)
+
+    _, outs = jax.lax.scan(step, x_T, (sigmas[:-1], sigmas[1:], levels, keys))
+    states, next_states, means, stds, logp, x0_hat = (jnp.swapaxes(o, 0, 1) for o in outs)
+    return Rollout(states, next_states, means, stds, logp, x0_hat, sigmas, levels)
+
+
+def sample(velocity: Callable, x_T, sigmas) -> jax.Array:
+    """Deterministic Euler (the `ode` kernel) from x_T to sigmas[-1]; the final sample only."""
+
+    def step(x, pair):
+        mean, _, _ = kernels.transition("ode", velocity, x, pair[0], pair[1], 0.0, sigmas[1])
+        return mean, None
+
+    x, _ = jax.lax.scan(step, x_T, (sigmas[:-1], sigmas[1:]))
+    return x
