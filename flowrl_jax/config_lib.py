@@ -51,3 +51,23 @@ def require(config: ConfigDict, fields) -> None:
             node = node[part]
         if node is None or node == "":
             raise ConfigError(f"config field {field!r} is required: set it in the config or pass --config.{field}=...")
+
+
+def train_config() -> ConfigDict:
+    """The `train` job's fields with Flow-GRPO's defaults (SPEC.md §1-§4) on the embedded world; the
+    method configs (`configs/flow_grpo.py`, `quickstart.py`, ...) start here and override."""
+    cfg = base_config("train")
+    cfg.base = "shapes32"  # a shipped asset name or a pretrain workdir
+    cfg.prompts = dict(train="", test="")  # JSONL paths; "" = the shipped train / test sets
+    cfg.sampler = dict(kind="sde", num_steps=10, shift=1.0, noise_level=0.7, sde_window=(), cfg=3.0,
+                       same_noise_per_group=False, logprob_form="gaussian")  # sde_window () = every step
+    cfg.train = dict(iterations=200, prompts_per_iteration=8, group_size=12, num_inner_epochs=1, minibatches=4,
+                     lr=3e-4, weight_decay=1e-4, grad_clip=1.0, ema_decay=0.9, lora_rank=0,
+                     rewards=(("shapes_score", 1.0),))
+    cfg.advantage = dict(global_std=True, clip=5.0)
+    cfg.credit = ("uniform",)
+    cfg.credit_options = ConfigDict()
+    cfg.objective = dict(name="grpo", clip_range=1e-4, beta=0.04, ratio="sample", kl_form="exact")
+    cfg.eval = dict(every=50, at_start=True, per_category=0, samples_per_prompt=1, batch_size=210, num_steps=20, cfg=3.0, shift=1.0)
+    cfg.checkpoint = dict(every=25, keep=3)
+    return cfg

@@ -19,6 +19,7 @@ JOBS = {
     "pretrain": ("flowrl_jax.pretrain", ("model", "text", "mesh", "seed", "pretrain.steps", "pretrain.batch_size")),
     "train_reward": ("flowrl_jax.train_reward", ("seed", "reward.base", "reward.steps")),
     "export": ("flowrl_jax.assets", ("seed", "export.workdir", "export.name")),
+    "train": ("flowrl_jax.train", ("seed", "base", "sampler.kind", "train.iterations", "objective.name")),
     "eval": ("flowrl_jax.evaluate", ("seed", "eval.checkpoint", "eval.split", "eval.num_steps")),
 }
 

@@ -74,3 +74,32 @@ def save_grid(images, path: str, rows: int | None = None, labels: Sequence[str] 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     canvas.save(path)
     return path
+
+
+def plot_report(workdir: str, path: str) -> str:
+    """report.png: training reward and eval scores (overall strict and partial score) against the
+    step (left) and the training wall-clock (right), from workdir/metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(workdir)
+    train = [r for r in rows if "reward" in r]
+    evals = [r for r in rows if "eval/overall/strict" in r]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, x_key, label in ((axes[0], "step", "step"), (axes[1], "wall_s", "training wall-clock (s)")):
+        if train:
+            ax.plot([r[x_key] for r in train], [r["reward"] for r in train], lw=1, alpha=0.6, label="train reward (mean)")
+        for key, name in (("eval/overall/strict", "eval strict (overall)"), ("eval/overall/score", "eval score (overall)")):
+            if evals:
+                ax.plot([r.get(x_key, 0.0) for r in evals], [r[key] for r in evals], "o-", label=name)
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("reward / accuracy")
+    axes[0].legend(loc="lower right")
+    fig.suptitle(os.path.basename(os.path.abspath(workdir)))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -126,3 +126,21 @@ def maybe_initialize_distributed(enabled: bool | str = "auto") -> None:
     cluster_env = ("TPU_WORKER_HOSTNAMES", "JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")
     if enabled is True or (enabled == "auto" and any(os.environ.get(k) for k in cluster_env)):
         jax.distributed.initialize()
+
+
+def local_rows(x: jax.Array) -> np.ndarray:
+    """This process's rows of a batch-sharded global array, in global order (numpy). Single process:
+    the whole array. Multi-process: the addressable shards, deduplicated, which are the rows of
+    `process_batch_slice` when the mesh's devices are ordered by process (as `jax.make_mesh` does)."""
+    if jax.process_count() == 1:
+        return np.asarray(x)
+    shards = {}
+    for s in x.addressable_shards:
+        shards.setdefault(s.index[0].start or 0, s)
+    return np.concatenate([np.asarray(shards[k].data) for k in sorted(shards)])
+
+
+def global_from_local(local: np.ndarray, mesh: jax.sharding.Mesh, axes: Sequence[str] = BATCH_AXES) -> jax.Array:
+    """The inverse of `local_rows`: every process's rows (e.g. host-computed rewards) as one global
+    array sharded on the batch axes, so statistics over it (group advantages) see all processes."""
+    return shard_batch(np.asarray(local), mesh, axes)

@@ -271,11 +271,30 @@ def write_prompt_files(seed: int = 0, directory: str = PROMPT_DIR) -> None:
 
 def load_prompts(split: str, directory: str = PROMPT_DIR) -> list[dict]:
     """Read `directory/{split}.jsonl` -> list of {"prompt", "category", "spec"}."""
-    path = os.path.join(directory, f"{split}.jsonl")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"prompt file {path} not found; write it with flowrl_jax.data.shapes.write_prompt_files()")
+    return load_prompt_file(os.path.join(directory, f"{split}.jsonl"))
+
+
+def load_prompt_file(path: str) -> list[dict]:
+    """Read and check a prompt file: JSONL, one {"prompt", "category", "spec"} object per line.
+    A missing, empty or malformed file raises ValueError naming the file, the line and the fix."""
+    if not os.path.isfile(path):
+        raise ValueError(f"prompt file {path} not found (the shipped sets are train/test in {PROMPT_DIR})")
+    rows = []
     with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"prompt file {path} line {number} is not JSON ({e.msg}); each line must be "
+                                 '{"prompt": ..., "category": ..., "spec": ...}') from None
+            missing = [k for k in ("prompt", "category", "spec") if not isinstance(row, dict) or k not in row]
+            if missing or row["category"] not in CATEGORIES:
+                problem = f"lacks {missing}" if missing else f"has unknown category {row['category']!r} (known: {CATEGORIES})"
+                raise ValueError(f"prompt file {path} line {number} {problem}; write prompt files with "
+                                 "flowrl_jax.data.shapes.write_prompt_files()")
+            rows.append(row)
     if not rows:
-        raise ValueError(f"prompt file {path} is empty")
+        raise ValueError(f"prompt file {path} is empty: it needs at least one JSONL prompt line")
     return rows

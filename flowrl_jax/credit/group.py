@@ -1,0 +1,32 @@
+"""Group-relative advantages (Flow-GRPO, SPEC.md §2) and the `uniform` credit scheme (SPEC §3).
+
+    A = group_advantages(rewards [B], group_ids [B], num_groups, global_std=True, clip=5.0)   # [B]
+
+`A[b] = (r[b] - mean_{g[b]} r) / (std + 1e-4)`, the std over the sample's prompt group or, with
+`global_std`, over the whole (gathered, global) batch; clipped to `[-clip, clip]`. Rewards are a
+global `jax.Array`, so on a pod the statistics cover every process's samples.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def group_advantages(rewards, group_ids, num_groups: int, global_std: bool = True, clip: float = 5.0, eps: float = 1e-4):
+    """[B] advantages (module doc); `group_ids [B]` int in `[0, num_groups)`."""
+    r = rewards.astype(jnp.float32)
+    count = jax.ops.segment_sum(jnp.ones_like(r), group_ids, num_groups)
+    mean = jax.ops.segment_sum(r, group_ids, num_groups) / jnp.maximum(count, 1.0)
+    centered = r - mean[group_ids]
+    if global_std:
+        std = jnp.std(r)
+    else:
+        var = jax.ops.segment_sum(jnp.square(centered), group_ids, num_groups) / jnp.maximum(count, 1.0)
+        std = jnp.sqrt(var)[group_ids]
+    return jnp.clip(centered / (std + eps), -clip, clip)
+
+
+def uniform(inputs: dict, adv, state, cfg):
+    """Flow-GRPO's credit: every trained step and token of a sample gets its advantage, `A[b, t, k] = A[b]`."""
+    num_steps = inputs["rollout"].noise_levels.shape[0]
+    return jnp.broadcast_to(adv, (adv.shape[0], num_steps, adv.shape[2])), state

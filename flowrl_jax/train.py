@@ -1,0 +1,363 @@
+"""The `train` job: RL fine-tuning of the base DiT (Flow-GRPO and the methods that plug into it).
+
+    python -m flowrl_jax.main --config configs/flow_grpo.py --workdir workdirs/flow_grpo
+
+One iteration (DESIGN.md): sample prompts (each `G` times) -> `rollout` (jit, batch sharded on the
+mesh) -> host rewards on this process's rows, gathered into a global array -> `credit` (jit):
+advantages `A[b, t, k]` -> `num_inner_epochs` passes over the kept (sample, trained step) pairs in a
+shuffled order, one optimizer step per minibatch (jit, `objectives/`) -> EMA. The text encoder is
+frozen; the policy is the whole DiT or LoRA adapters (`train.lora_rank > 0`), the reference of the
+KL is the base DiT. Everything random derives from `config.seed` and the iteration
+(`jax.random.fold_in`), so a resumed run equals an uninterrupted one.
+
+The workdir gets `checkpoints/` (orbax, keep-N, resumed automatically), `metrics.jsonl` + TensorBoard
+events, `eval_<step>.png` sample grids, `eval.json` and, at the end, `report.png` (reward and eval
+score against step and wall-clock). SIGTERM/SIGINT save a checkpoint before exiting; a non-finite
+reward or loss stops the run naming the step and the quantity, keeping the last good checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+from flowrl_jax import assets, credit as credit_lib, evaluate, metrics, parallel, rewards as rewards_lib
+from flowrl_jax.checkpoint import Checkpointer
+from flowrl_jax.config_lib import ConfigError
+from flowrl_jax.data import shapes
+from flowrl_jax.models import lora
+from flowrl_jax.objectives import OBJECTIVES, grpo
+from flowrl_jax.sampling import kernels, rollout as rollout_lib, schedule
+
+
+# ----------------------------------------------------------------------------------------------- policy
+class Policy:
+    """The trainable DiT: `dit_variables(trainable, frozen)` for `dit.apply`, with LoRA or without."""
+
+    def __init__(self, pipe, lora_rank: int):
+        self.pipe, self.lora_rank = pipe, lora_rank
+
+    def init(self, frozen_dit, rng):
+        return lora.init_adapters(frozen_dit, rng, rank=self.lora_rank) if self.lora_rank else frozen_dit
+
+    def variables(self, trainable, frozen_dit) -> dict:
+        return {"params": frozen_dit, "lora": trainable} if self.lora_rank else {"params": trainable}
+
+    def merged(self, trainable, frozen_dit):
+        """Plain DiT params (adapters folded in): what eval and export use."""
+        return lora.merge(frozen_dit, trainable, self.pipe.dit.lora_alpha) if self.lora_rank else trainable
+
+    def velocity_fn(self, dit_variables):
+        return lambda x, sigma, cond: self.pipe.dit.apply(dit_variables, x, sigma, *cond)
+
+
+def kernel_mean_fn(policy: Policy, sampler_cfg):
+    """`mean_fn(variables, mb) -> (mean, std)`: the rollout's kernel (with CFG) at the minibatch's states."""
+
+    def mean_fn(variables, mb):
+        velocity = rollout_lib.guided(policy.velocity_fn(variables), mb["cond"], mb["null"], sampler_cfg.cfg)
+        mean, std, _ = kernels.transition(sampler_cfg.kind, velocity, mb["x"], mb["sigma"], mb["sigma_next"], mb["level"], mb["sigma_1"])
+        return mean, std
+
+    return mean_fn
+
+
+# -------------------------------------------------------------------------------------------- the steps
+def make_rollout_fn(policy: Policy, config):
+    """jit-able `(trainable, frozen, ids, mask, rng) -> (Rollout, cond, null)`."""
+    s, t = config.sampler, config.train
+    sigmas = schedule.sigmas(s.num_steps, s.shift)
+    levels = rollout_lib.noise_levels(s.num_steps, s.noise_level, tuple(s.sde_window) if s.sde_window else None)
+
+    def rollout_fn(trainable, frozen, ids, mask, rng):
+        cond = policy.pipe.encode(frozen["text"], ids, mask)
+        null = policy.pipe.null_condition(frozen["text"], ids.shape[0])
+        velocity = rollout_lib.guided(policy.velocity_fn(policy.variables(trainable, frozen["dit"])), cond, null, s.cfg)
+        k_noise, k_steps = jax.random.split(rng)
+        x_T = rollout_lib.initial_noise(k_noise, policy.pipe.image_shape(ids.shape[0]), t.group_size, s.same_noise_per_group)
+        ro = rollout_lib.rollout(velocity, x_T, sigmas, levels, k_steps, s.kind, policy.pipe.dit.patch_size, s.logprob_form)
+        return ro, cond, null
+
+    return rollout_fn
+
+
+def make_update_fn(policy: Policy, optimizer, config):
+    """jit-able `(state, frozen, ro, adv, cond, null, rows, steps, weight) -> (state, stats)`: one
+    optimizer step of the configured objective on the pairs `(rows[m], steps[m])`."""
+    o, s = config.objective, config.sampler
+    loss_fn = OBJECTIVES[o.name]
+    options = _Options(dict(o), patch_size=policy.pipe.dit.patch_size, logprob_form=s.logprob_form, num_steps=s.num_steps)
+    mean_fn = kernel_mean_fn(policy, s)
+    ema_decay = config.train.ema_decay
+
+    def update(state, frozen, ro, adv, cond, null, rows, steps, weight):
+        mb = grpo.gather_pairs(ro, adv, cond, null, rows, steps, weight)
+        ref = {"params": frozen["dit"]}
+
+        def loss(trainable):
+            return loss_fn(policy.variables(trainable, frozen["dit"]), ref, mb, mean_fn, options)
+
+        (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(state["params"])
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        n = state["updates"] + 1
+        decay = jnp.minimum(ema_decay, (1.0 + n) / (10.0 + n))
+        ema = jax.tree_util.tree_map(lambda e, p: decay * e + (1 - decay) * p, state["ema"], params)
+        stats = {"loss": value, **aux, "grad_norm": optax.global_norm(grads), "update_norm": optax.global_norm(updates),
+                 "param_norm": optax.global_norm(params)}
+        return {**state, "params": params, "opt_state": opt_state, "ema": ema, "updates": n}, stats
+
+    return update
+
+
+class _Options(dict):
+    """A config section as attribute access, plus derived fields (hashable by identity for closures)."""
+
+    def __init__(self, base: dict, **extra):
+        super().__init__(base, **extra)
+        self.__dict__ = self
+
+
+def make_credit_fn(credit):
+    def credit_fn(ro, rewards, group_ids, num_groups, credit_state):
+        inputs = {"rollout": ro, "rewards": rewards, "group_ids": group_ids, "num_groups": num_groups}
+        adv, credit_state = credit.apply(inputs, credit_state)
+        return adv, credit_state, credit_lib.kept_samples(adv, ro.trained)
+
+    return credit_fn
+
+
+def minibatches(keep: np.ndarray, trained_steps: np.ndarray, size: int, rng: np.random.Generator):
+    """Shuffled (rows, steps, weight) chunks of `size` over the kept samples x trained steps; the last
+    chunk is padded with weight-0 pairs so every update has one compiled shape."""
+    rows, steps = np.meshgrid(np.flatnonzero(keep), trained_steps, indexing="ij")
+    pairs = np.stack([rows.ravel(), steps.ravel()], 1)[rng.permutation(rows.size)]
+    for start in range(0, len(pairs), size):
+        chunk = pairs[start : start + size]
+        weight = np.ones(size, np.float32)
+        if len(chunk) < size:
+            weight[len(chunk):] = 0.0
+            chunk = np.concatenate([chunk, np.repeat(chunk[:1], size - len(chunk), 0)])
+        yield chunk[:, 0].astype(np.int32), chunk[:, 1].astype(np.int32), weight
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+def load_base(name: str):
+    """(pipe, {"dit", "text"}) of the base model; a missing or corrupt checkpoint is a ConfigError."""
+    try:
+        pipe, params, info = assets.load_pipeline(name, use_ema=True)
+    except (FileNotFoundError, assets.AssetError, ValueError, OSError, KeyError) as e:
+        raise ConfigError(f"cannot load the base model {name!r} (config.base): {str(e).splitlines()[0]}") from None
+    return pipe, params, info
+
+
+def load_prompt_set(path: str, split: str) -> list[dict]:
+    try:
+        return shapes.load_prompt_file(path) if path else shapes.load_prompts(split)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def sample_prompts(prompts: list[dict], n: int, rng: np.random.Generator) -> list[dict]:
+    """`n` prompts, the category drawn uniformly first (the train set is unbalanced across categories)."""
+    by_category = {}
+    for p in prompts:
+        by_category.setdefault(p["category"], []).append(p)
+    names = sorted(by_category)
+    return [by_category[c][rng.integers(len(by_category[c]))] for c in (names[i] for i in rng.integers(len(names), size=n))]
+
+
+class StopSignal:
+    """SIGTERM/SIGINT set `requested` (the loop saves and exits at the end of the iteration)."""
+
+    def __init__(self):
+        self.requested = None
+        self.previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def _finite_or_stop(values: dict, step: int, what: str, ckpt: Checkpointer) -> None:
+    for name, v in values.items():
+        if not np.all(np.isfinite(v)):
+            raise FloatingPointError(f"{what} {name} is not finite at step {step}; stopped, the last good checkpoint "
+                                     f"(step {ckpt.latest_step()}) in {ckpt.directory} is kept")
+
+
+# ------------------------------------------------------------------------------------------------- run
+def run(config, workdir: str | None) -> dict:
+    if not workdir:
+        raise ConfigError("the train job needs --workdir (checkpoints, metrics and samples go there)")
+    t_cfg, s_cfg, e_cfg = config.train, config.sampler, config.eval
+    if s_cfg.kind not in ("sde", "cps", "lc"):
+        raise ConfigError(f"sampler.kind={s_cfg.kind!r} cannot be trained on; choose one of sde, cps, lc")
+    if config.objective.name not in OBJECTIVES:
+        raise ConfigError(f"unknown objective {config.objective.name!r} (config.objective.name); known: {sorted(OBJECTIVES)}")
+    try:
+        reward_fn = rewards_lib.build(t_cfg.rewards)
+        credit = credit_lib.build(config.credit, config.credit_options, config.advantage.global_std, config.advantage.clip)
+        rollout_lib.noise_levels(s_cfg.num_steps, s_cfg.noise_level, tuple(s_cfg.sde_window) if s_cfg.sde_window else None)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    train_prompts = load_prompt_set(config.prompts.train, "train")
+    test_prompts = load_prompt_set(config.prompts.test, "test")
+    if e_cfg.per_category:
+        test_prompts = [p for c in shapes.CATEGORIES for p in [q for q in test_prompts if q["category"] == c][: e_cfg.per_category]]
+
+    parallel.maybe_initialize_distributed(config.distributed)
+    mesh = parallel.make_mesh(config.mesh)
+    batch = t_cfg.prompts_per_iteration * t_cfg.group_size
+    if batch % jax.device_count():
+        raise ConfigError(f"train.prompts_per_iteration x train.group_size = {batch} must be divisible by the {jax.device_count()} devices")
+    pipe, base, base_info = load_base(config.base)
+    policy = Policy(pipe, t_cfg.lora_rank)
+
+    optimizer = optax.chain(optax.clip_by_global_norm(t_cfg.grad_clip), optax.adamw(t_cfg.lr, b1=0.9, b2=0.999, weight_decay=t_cfg.weight_decay))
+    rng = jax.random.PRNGKey(config.seed)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    frozen_shardings = parallel.tree_shardings(base, mesh, config.partition_rules, config.min_fsdp_size)
+    frozen = jax.device_put(base, frozen_shardings)
+
+    def init_state(r):
+        params = policy.init(frozen["dit"], r)
+        return {"step": jnp.zeros((), jnp.int32), "updates": jnp.zeros((), jnp.int32), "params": params, "ema": params,
+                "opt_state": optimizer.init(params), "credit": credit.init()}
+
+    abstract = jax.eval_shape(init_state, rng)
+    state_shardings = parallel.tree_shardings(abstract, mesh, config.partition_rules, config.min_fsdp_size)
+    state = jax.jit(init_state, out_shardings=state_shardings)(jax.random.fold_in(rng, 1))
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep)
+    os.makedirs(workdir, exist_ok=True)
+    try:
+        restored, meta = ckpt.restore_latest(state)
+    except Exception as e:  # noqa: BLE001 - orbax raises many types on a damaged checkpoint
+        ckpt.close()
+        raise ConfigError(f"cannot restore the latest checkpoint in {ckpt.directory}: {str(e).splitlines()[0]} "
+                          "(move the damaged step folder away to resume from the one before)") from None
+    history = {"evals": [], "wall_s": 0.0}
+    if restored is not None:
+        state, history = restored, {**history, **meta.get("history", {})}
+        print(f"resumed from step {int(state['step'])} in {ckpt.directory}")
+
+    data = parallel.batch_sharding(mesh)
+    rollout_fn = jax.jit(make_rollout_fn(policy, config), in_shardings=(state_shardings["params"], frozen_shardings, data, data, replicated))
+    credit_fn = jax.jit(make_credit_fn(credit), static_argnums=3)
+    update_fn = jax.jit(make_update_fn(policy, optimizer, config), out_shardings=(state_shardings, None), donate_argnums=0)
+    sampler = evaluate.make_sampler(pipe, e_cfg.num_steps, e_cfg.cfg, e_cfg.shift)
+    trained_steps = np.flatnonzero(np.asarray(rollout_lib.noise_levels(s_cfg.num_steps, s_cfg.noise_level,
+                                                                        tuple(s_cfg.sde_window) if s_cfg.sde_window else None)))
+    minibatch_size = -(-batch * len(trained_steps) // t_cfg.minibatches)
+    local = parallel.process_batch_slice(batch)
+    writer = metrics.MetricWriter(workdir)
+
+    def run_eval(step: int) -> dict:
+        params = {"dit": policy.merged(state["ema"], frozen["dit"]), "text": frozen["text"]}
+        result = evaluate.geneval(pipe, params, test_prompts, jax.random.PRNGKey(config.seed + 1), e_cfg.samples_per_prompt,
+                                  e_cfg.batch_size, sampler=sampler, progress=True)
+        evaluate.category_grid(result, os.path.join(workdir, f"eval_{step:06d}.png"))
+        table = result["table"]
+        writer.scalars(step, {**{f"eval/{k}/{m}": v[m] for k, v in table.items() for m in ("strict", "score")}, "wall_s": history["wall_s"]})
+        history["evals"].append({"step": step, "wall_s": history["wall_s"], "table": table})
+        tqdm.write(f"eval at step {step} (EMA weights, {len(test_prompts)} test prompts x {e_cfg.samples_per_prompt}, "
+                   f"ODE {e_cfg.num_steps} steps, cfg {e_cfg.cfg}):\n" + evaluate.format_table(table))
+        return table
+
+    start = int(state["step"])
+    if start == 0 and e_cfg.at_start and not history["evals"]:
+        run_eval(0)
+    bar = tqdm(range(start, t_cfg.iterations), initial=start, total=t_cfg.iterations, desc="flow-grpo", dynamic_ncols=True)
+    stopped = None
+    try:
+        with StopSignal() as stop:
+            for it in bar:
+                t0 = time.time()
+                it_rng = jax.random.fold_in(rng, it)
+                host_rng = np.random.default_rng([config.seed, it])
+                prompts = [p for p in sample_prompts(train_prompts, t_cfg.prompts_per_iteration, host_rng) for _ in range(t_cfg.group_size)]
+                group_ids = np.repeat(np.arange(t_cfg.prompts_per_iteration, dtype=np.int32), t_cfg.group_size)
+                ids, mask = pipe.tokenize([p["prompt"] for p in prompts])
+                ids, mask = parallel.shard_batch((ids[local], mask[local]), mesh)
+                ro, cond, null = rollout_fn(state["params"], frozen, ids, mask, jax.random.fold_in(it_rng, 0))
+                t1 = time.time()
+
+                images = parallel.local_rows(ro.final)  # this process's samples -> host rewards
+                reward, parts = reward_fn(images, prompts[local])
+                _finite_or_stop({"reward": reward}, it + 1, "the", ckpt)
+                rewards = parallel.global_from_local(reward, mesh)
+                gids = parallel.global_from_local(group_ids[local], mesh)
+                adv, credit_state, keep = credit_fn(ro, rewards, gids, t_cfg.prompts_per_iteration, state["credit"])
+                state = {**state, "credit": credit_state}
+                keep = np.asarray(keep)
+                t2 = time.time()
+
+                step_stats = []
+                for epoch in range(t_cfg.num_inner_epochs):
+                    for rows, steps, weight in minibatches(keep, trained_steps, minibatch_size, np.random.default_rng([config.seed, it, epoch])):
+                        state, stats = update_fn(state, frozen, ro, adv, cond, null, rows, steps, weight)
+                        step_stats.append(stats)
+                state = {**state, "step": state["step"] + 1}
+                stats = {k: np.mean([np.asarray(s[k]) for s in step_stats], 0) for k in step_stats[0]} if step_stats else {}
+                _finite_or_stop({k: v for k, v in stats.items() if k in ("loss", "kl", "grad_norm")}, it + 1, "the", ckpt)
+                t3 = time.time()
+                history["wall_s"] += t3 - t0
+
+                done = it + 1
+                scalars = {"reward": float(reward.mean()), "reward_std": float(reward.std()), "kept_fraction": float(keep.mean()),
+                           **{f"reward/{n}": float(v.mean()) for n, v in parts.items()},
+                           **{k: float(v) for k, v in stats.items() if np.ndim(v) == 0},
+                           "rollout_s": t1 - t0, "reward_s": t2 - t1, "update_s": t3 - t2, "updates": len(step_stats),
+                           "wall_s": history["wall_s"]}
+                for key in ("ratio_mean_per_step", "ratio_std_per_step"):
+                    for t in trained_steps:
+                        scalars[f"{key[:-9]}/step_{t}"] = float(stats[key][t]) if stats else 1.0
+                writer.scalars(done, scalars)
+                bar.set_postfix(reward=f"{scalars['reward']:.3f}", clipfrac=f"{scalars.get('clipfrac', 0):.3f}",
+                                kl=f"{scalars.get('kl', 0):.2e}")
+                if e_cfg.every and done % e_cfg.every == 0 and done != t_cfg.iterations:
+                    run_eval(done)
+                if done == t_cfg.iterations:
+                    run_eval(done)
+                if done % config.checkpoint.every == 0 or done == t_cfg.iterations or stop.requested:
+                    ckpt.save(done, state, {"step": done, "history": history})
+                if stop.requested:
+                    stopped = stop.requested
+                    tqdm.write(f"{stopped}: saved a checkpoint at step {done} in {ckpt.directory}; rerun the same command to resume")
+                    break
+    finally:
+        ckpt.close()
+        writer.close()
+    result = {"step": int(state["step"]), "evals": history["evals"], "stopped": stopped}
+    if history["evals"]:
+        with open(os.path.join(workdir, "eval.json"), "w") as f:
+            json.dump({"base": base_info.get("name"), "evals": history["evals"]}, f, indent=2)
+        metrics.plot_report(workdir, os.path.join(workdir, "report.png"))
+    if len(history["evals"]) >= 2 and history["evals"][0]["step"] == 0:
+        print(before_after(history["evals"][0], history["evals"][-1]))
+    return result
+
+
+def before_after(before: dict, after: dict) -> str:
+    """The GenEval-style table before and after training, side by side."""
+    lines = [f"GenEval-style table, step {before['step']} -> {after['step']} ({after['wall_s']:.0f} s of training):",
+             f"{'category':14s} {'strict':>7s} {'->':>3s} {'strict':>7s}   {'score':>6s} {'->':>3s} {'score':>6s}"]
+    for name, b in before["table"].items():
+        a = after["table"][name]
+        lines.append(f"{name:14s} {b['strict']:7.3f} {'':>3s} {a['strict']:7.3f}   {b['score']:6.3f} {'':>3s} {a['score']:6.3f}")
+    return "\n".join(lines)
