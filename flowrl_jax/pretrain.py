@@ -84,7 +84,7 @@ def make_train_step(pipe: Pipeline, optimizer, cfg, base_rng):
         step = state["step"] + 1
         decay = jnp.minimum(cfg.ema_decay, (1.0 + step) / (10.0 + step))
         ema = jax.tree_util.tree_map(lambda e, p: decay * e + (1 - decay) * p, state["ema"], params)
-        stats = {"loss": loss, "grad_norm": optax.global_norm(grads), "param_norm": optax.global_norm(params)}
+        stats = {"loss": loss, "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(params)}
         return {"step": step, "params": params, "ema": ema, "opt_state": opt_state}, stats
 
     return train_step

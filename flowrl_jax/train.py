@@ -110,8 +110,8 @@ def make_update_fn(policy: Policy, optimizer, config):
         n = state["updates"] + 1
         decay = jnp.minimum(ema_decay, (1.0 + n) / (10.0 + n))
         ema = jax.tree_util.tree_map(lambda e, p: decay * e + (1 - decay) * p, state["ema"], params)
-        stats = {"loss": value, **aux, "grad_norm": optax.global_norm(grads), "update_norm": optax.global_norm(updates),
-                 "param_norm": optax.global_norm(params)}
+        stats = {"loss": value, **aux, "grad_norm": optax.tree.norm(grads), "update_norm": optax.tree.norm(updates),
+                 "param_norm": optax.tree.norm(params)}
         return {**state, "params": params, "opt_state": opt_state, "ema": ema, "updates": n}, stats
 
     return update
@@ -201,6 +201,40 @@ def _finite_or_stop(values: dict, step: int, what: str, ckpt: Checkpointer) -> N
                                      f"(step {ckpt.latest_step()}) in {ckpt.directory} is kept")
 
 
+class Steps:
+    """The jit-compiled pieces of one iteration on `mesh`, and the initial TrainState:
+    `rollout(params, frozen, ids, mask, rng)`, `credit(ro, rewards, group_ids, num_groups, credit_state)`,
+    `update(state, frozen, ro, adv, cond, null, rows, steps, weight)`. `frozen = {"dit", "text"}` are the
+    base weights (the KL reference and the frozen text encoder), sharded by the partition rules."""
+
+    def __init__(self, config, mesh, pipe, base: dict, credit):
+        t_cfg, s_cfg = config.train, config.sampler
+        self.policy = policy = Policy(pipe, t_cfg.lora_rank)
+        optimizer = optax.chain(optax.clip_by_global_norm(t_cfg.grad_clip),
+                                optax.adamw(t_cfg.lr, b1=0.9, b2=0.999, weight_decay=t_cfg.weight_decay))
+        rules, min_size = config.partition_rules, config.min_fsdp_size
+        frozen_shardings = parallel.tree_shardings(base, mesh, rules, min_size)
+        self.frozen = jax.device_put(base, frozen_shardings)
+
+        def init_state(r):
+            params = policy.init(self.frozen["dit"], r)
+            return {"step": jnp.zeros((), jnp.int32), "updates": jnp.zeros((), jnp.int32), "params": params, "ema": params,
+                    "opt_state": optimizer.init(params), "credit": credit.init()}
+
+        rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
+        self.shardings = parallel.tree_shardings(jax.eval_shape(init_state, rng), mesh, rules, min_size)
+        self.state = jax.jit(init_state, out_shardings=self.shardings)(rng)
+        data, replicated = parallel.batch_sharding(mesh), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        self.rollout = jax.jit(make_rollout_fn(policy, config),
+                               in_shardings=(self.shardings["params"], frozen_shardings, data, data, replicated))
+        self.credit = jax.jit(make_credit_fn(credit), static_argnums=3)
+        self.update = jax.jit(make_update_fn(policy, optimizer, config), out_shardings=(self.shardings, None), donate_argnums=0)
+        window = tuple(s_cfg.sde_window) if s_cfg.sde_window else None
+        self.trained_steps = np.flatnonzero(np.asarray(rollout_lib.noise_levels(s_cfg.num_steps, s_cfg.noise_level, window)))
+        batch = t_cfg.prompts_per_iteration * t_cfg.group_size
+        self.minibatch_size = -(-batch * len(self.trained_steps) // t_cfg.minibatches)
+
+
 # ------------------------------------------------------------------------------------------------- run
 def run(config, workdir: str | None) -> dict:
     if not workdir:
@@ -227,22 +261,9 @@ def run(config, workdir: str | None) -> dict:
     if batch % jax.device_count():
         raise ConfigError(f"train.prompts_per_iteration x train.group_size = {batch} must be divisible by the {jax.device_count()} devices")
     pipe, base, base_info = load_base(config.base)
-    policy = Policy(pipe, t_cfg.lora_rank)
-
-    optimizer = optax.chain(optax.clip_by_global_norm(t_cfg.grad_clip), optax.adamw(t_cfg.lr, b1=0.9, b2=0.999, weight_decay=t_cfg.weight_decay))
+    steps = Steps(config, mesh, pipe, base, credit)
+    state, frozen, policy = steps.state, steps.frozen, steps.policy
     rng = jax.random.PRNGKey(config.seed)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    frozen_shardings = parallel.tree_shardings(base, mesh, config.partition_rules, config.min_fsdp_size)
-    frozen = jax.device_put(base, frozen_shardings)
-
-    def init_state(r):
-        params = policy.init(frozen["dit"], r)
-        return {"step": jnp.zeros((), jnp.int32), "updates": jnp.zeros((), jnp.int32), "params": params, "ema": params,
-                "opt_state": optimizer.init(params), "credit": credit.init()}
-
-    abstract = jax.eval_shape(init_state, rng)
-    state_shardings = parallel.tree_shardings(abstract, mesh, config.partition_rules, config.min_fsdp_size)
-    state = jax.jit(init_state, out_shardings=state_shardings)(jax.random.fold_in(rng, 1))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep)
     os.makedirs(workdir, exist_ok=True)
     try:
@@ -256,14 +277,9 @@ def run(config, workdir: str | None) -> dict:
         state, history = restored, {**history, **meta.get("history", {})}
         print(f"resumed from step {int(state['step'])} in {ckpt.directory}")
 
-    data = parallel.batch_sharding(mesh)
-    rollout_fn = jax.jit(make_rollout_fn(policy, config), in_shardings=(state_shardings["params"], frozen_shardings, data, data, replicated))
-    credit_fn = jax.jit(make_credit_fn(credit), static_argnums=3)
-    update_fn = jax.jit(make_update_fn(policy, optimizer, config), out_shardings=(state_shardings, None), donate_argnums=0)
+    rollout_fn, credit_fn, update_fn = steps.rollout, steps.credit, steps.update
+    trained_steps, minibatch_size = steps.trained_steps, steps.minibatch_size
     sampler = evaluate.make_sampler(pipe, e_cfg.num_steps, e_cfg.cfg, e_cfg.shift)
-    trained_steps = np.flatnonzero(np.asarray(rollout_lib.noise_levels(s_cfg.num_steps, s_cfg.noise_level,
-                                                                        tuple(s_cfg.sde_window) if s_cfg.sde_window else None)))
-    minibatch_size = -(-batch * len(trained_steps) // t_cfg.minibatches)
     local = parallel.process_batch_slice(batch)
     writer = metrics.MetricWriter(workdir)
 

@@ -2,7 +2,6 @@
 reward training), plus the shipped `shapes32` base model and `shapes32_reward` learned reward."""
 import json
 import os
-import runpy
 import shutil
 
 import jax
@@ -15,6 +14,7 @@ from flowrl_jax.data import shapes
 from flowrl_jax.models.text import tokenize
 from flowrl_jax.rewards import shapes_eval
 from flowrl_jax.train_reward import pearson
+from tests.conftest import load_config
 
 SHIPPED_DIR = assets.ASSET_DIR  # the smoke_asset fixture points assets.ASSET_DIR elsewhere while it lives
 
@@ -29,26 +29,15 @@ def _shipped(name):
     return pytest.mark.skipif(not os.path.isdir(os.path.join(assets.ASSET_DIR, name)), reason=f"asset {name} is not shipped yet")
 
 
-def _config(path, variant="", **fields):
-    config = runpy.run_path(path)["get_config"](variant)
-    for key, value in fields.items():
-        node = config
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return config
-
-
 @pytest.fixture(scope="module")
 def smoke_asset(tmp_path_factory):
     """A 6-step pretrain run exported as asset 'smoke' into a temporary asset folder."""
     root = tmp_path_factory.mktemp("assets")
     workdir = str(root / "pretrain")
-    main.run_job(_config("configs/pretrain_shapes.py", "smoke", **{"pretrain.eval_every": 0}), workdir)
+    main.run_job(load_config("configs/pretrain_shapes.py", "smoke", **{"pretrain.eval_every": 0}), workdir)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(assets, "ASSET_DIR", str(root / "shipped"))
-        table = main.run_job(_config("configs/export_shapes32.py", **{"export.workdir": workdir, "export.name": "smoke",
+        table = main.run_job(load_config("configs/export_shapes32.py", **{"export.workdir": workdir, "export.name": "smoke",
                                                                       "export.eval.samples_per_prompt": 1, "export.eval.batch_size": 140,
                                                                       "export.eval.num_steps": 2}), str(root))
         yield {"root": root, "workdir": workdir, "folder": root / "shipped" / "smoke", "table": table}
@@ -68,7 +57,7 @@ def test_export_writes_a_verified_asset_with_its_measured_table(smoke_asset):
 
 
 def test_eval_job_writes_table_and_grid(smoke_asset, tmp_path):
-    config = _config("configs/eval_shapes.py", **{"eval.checkpoint": "smoke", "eval.max_prompts": 12, "eval.batch_size": 12,
+    config = load_config("configs/eval_shapes.py", **{"eval.checkpoint": "smoke", "eval.max_prompts": 12, "eval.batch_size": 12,
                                                   "eval.num_steps": 2, "eval.samples_per_prompt": 1})
     table = main.run_job(config, str(tmp_path))
     saved = json.loads((tmp_path / "eval.json").read_text())
@@ -94,7 +83,7 @@ def test_unknown_checkpoint_name_lists_the_shipped_ones(smoke_asset):
 
 
 def test_train_reward_smoke(smoke_asset, tmp_path):
-    config = _config("configs/train_reward.py", "smoke", **{"reward.base": smoke_asset["workdir"]})
+    config = load_config("configs/train_reward.py", "smoke", **{"reward.base": smoke_asset["workdir"]})
     result = main.run_job(config, str(tmp_path))
     assert result["n_train"] == 64 + 16 and result["train_sources"]["generated"] == 16 and result["n_heldout"] == 16
     assert np.isfinite(result["mse_heldout"])

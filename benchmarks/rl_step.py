@@ -1,0 +1,94 @@
+"""Throughput of one Flow-GRPO iteration's parts for a train config (default: the quickstart).
+
+    python benchmarks/rl_step.py [--config configs/quickstart.py] [--repeats 3]
+
+Times (medians of `--repeats` after one warm-up call, `block_until_ready`) the jit-compiled rollout
+(B = prompts x group images, T steps, CFG, the SDE window) and one update (a minibatch of (sample, step)
+pairs: the policy's kernel mean with CFG, forward + backward, plus the reference forward when beta > 0),
+and the host reward. Prints a table; writes benchmarks/results/rl_step.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import runpy
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from flowrl_jax import credit as credit_lib, parallel, rewards, train
+from flowrl_jax.data import shapes
+
+
+def _median(fn, repeats: int) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/quickstart.py")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "rl_step.json"))
+    args = parser.parse_args()
+    config = runpy.run_path(args.config)["get_config"]("")
+    t_cfg, s_cfg = config.train, config.sampler
+    mesh = parallel.make_mesh(config.mesh)
+    pipe, base, _ = train.load_base(config.base)
+    credit = credit_lib.build(config.credit, config.credit_options, config.advantage.global_std, config.advantage.clip)
+    steps = train.Steps(config, mesh, pipe, base, credit)
+    batch = t_cfg.prompts_per_iteration * t_cfg.group_size
+    prompts = [p for p in train.sample_prompts(shapes.load_prompts("train"), t_cfg.prompts_per_iteration, np.random.default_rng(0))
+               for _ in range(t_cfg.group_size)]
+    ids, mask = parallel.shard_batch(pipe.tokenize([p["prompt"] for p in prompts]), mesh)
+    rollout = lambda: steps.rollout(steps.state["params"], steps.frozen, ids, mask, jax.random.PRNGKey(0))  # noqa: E731
+    rollout_s = _median(rollout, args.repeats)
+    ro, cond, null = rollout()
+    reward_fn = rewards.build(t_cfg.rewards)
+    images = np.asarray(ro.final)
+    t0 = time.perf_counter()
+    reward, _ = reward_fn(images, prompts)
+    reward_s = time.perf_counter() - t0
+    gids = np.repeat(np.arange(t_cfg.prompts_per_iteration, dtype=np.int32), t_cfg.group_size)
+    adv, _, keep = steps.credit(ro, parallel.shard_batch(reward, mesh), parallel.shard_batch(gids, mesh),
+                                t_cfg.prompts_per_iteration, steps.state["credit"])
+    rows, step_ids, weight = next(train.minibatches(np.ones(batch, bool), steps.trained_steps, steps.minibatch_size,
+                                                    np.random.default_rng(0)))
+    state = steps.state
+
+    def update():
+        nonlocal state
+        state, stats = steps.update(state, steps.frozen, ro, adv, cond, null, rows, step_ids, weight)
+        return stats
+
+    update_s = _median(update, args.repeats)
+    pairs = steps.minibatch_size
+    per_iteration = rollout_s + reward_s + t_cfg.num_inner_epochs * t_cfg.minibatches * update_s
+    row = dict(config=args.config, batch=batch, num_steps=s_cfg.num_steps, trained_steps=len(steps.trained_steps), cfg=s_cfg.cfg,
+               beta=config.objective.beta, rollout_s=rollout_s, rollout_images_per_s=batch / rollout_s,
+               rollout_dit_calls_per_s=batch * s_cfg.num_steps * (2 if s_cfg.cfg != 1 else 1) / rollout_s,
+               reward_s=reward_s, update_pairs=pairs, update_s=update_s, update_pairs_per_s=pairs / update_s,
+               iteration_s=per_iteration)
+    print(f"{'config':24s} {'B':>4s} {'T':>3s} {'trained':>7s} {'rollout s':>9s} {'img/s':>7s} {'reward s':>8s} "
+          f"{'pairs':>6s} {'update s':>8s} {'pairs/s':>8s} {'iter s':>7s}")
+    print(f"{args.config:24s} {batch:4d} {s_cfg.num_steps:3d} {len(steps.trained_steps):7d} {rollout_s:9.2f} "
+          f"{row['rollout_images_per_s']:7.1f} {reward_s:8.3f} {pairs:6d} {update_s:8.2f} {row['update_pairs_per_s']:8.1f} {per_iteration:7.1f}")
+    env = dict(jax=jax.__version__, backend=jax.default_backend(), devices=jax.device_count(), cpu_count=os.cpu_count(),
+               machine=platform.machine())
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"env": env, "rows": [row]}, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

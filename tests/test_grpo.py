@@ -1,0 +1,130 @@
+"""Group advantages, the uniform credit scheme and the clipped objective (SPEC.md §2-§4) against
+independent NumPy / jax.scipy computations."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.scipy.stats import norm
+from ml_collections import ConfigDict
+
+from flowrl_jax import credit as credit_lib
+from flowrl_jax.credit import group
+from flowrl_jax.objectives import grpo
+from flowrl_jax.sampling import kernels, rollout, schedule
+from flowrl_jax.train import minibatches
+from tests.conftest import gaussian_velocity
+
+
+def test_group_advantages_against_numpy():
+    r = np.array([0.1, 0.5, 0.9, 0.2, 0.2, 0.2, 1.0, 0.0], np.float32)
+    g = np.array([0, 0, 0, 1, 1, 1, 2, 2])
+    means = np.array([r[g == k].mean() for k in range(3)])
+    np.testing.assert_allclose(group.group_advantages(r, g, 3, global_std=True), (r - means[g]) / (r.std() + 1e-4), rtol=1e-5)
+    stds = np.array([r[g == k].std() for k in range(3)])
+    expected = np.clip((r - means[g]) / (stds[g] + 1e-4), -5, 5)
+    np.testing.assert_allclose(group.group_advantages(r, g, 3, global_std=False), expected, rtol=1e-5)
+    outlier = np.zeros(30, np.float32)
+    outlier[0] = 1.0  # one success in a group of 30: z = sqrt(29) > 5, clipped
+    a = group.group_advantages(outlier, np.zeros(30, np.int32), 1, global_std=False)
+    assert float(a[0]) == 5.0 and abs(float(a[1]) + 1 / np.sqrt(29)) < 1e-3
+
+
+def test_uniform_credit_and_dropping_all_zero_samples():
+    r = jnp.array([0.3, 0.3, 0.1, 0.9])  # group 0 has no spread: its samples carry no signal
+    ro = rollout.Rollout(*[None] * 6, sigmas=schedule.sigmas(4, 1.0), noise_levels=rollout.noise_levels(4, 0.7, (1, 2)))
+    credit = credit_lib.build(("uniform",), ConfigDict())
+    adv, _ = credit.apply({"rollout": ro, "rewards": r, "group_ids": jnp.array([0, 0, 1, 1]), "num_groups": 2}, credit.init())
+    a = group.group_advantages(r, jnp.array([0, 0, 1, 1]), 2)
+    assert adv.shape == (4, 4, 1)
+    np.testing.assert_allclose(adv, jnp.broadcast_to(a[:, None, None], (4, 4, 1)))
+    np.testing.assert_array_equal(credit_lib.kept_samples(adv, ro.trained), [False, False, True, True])
+    with pytest.raises(ValueError, match="unknown credit scheme"):
+        credit_lib.build(("uniform", "nope"), ConfigDict())
+
+
+def test_minibatches_cover_each_kept_pair_once_with_padding():
+    keep = np.array([True, False, True, True])
+    chunks = list(minibatches(keep, np.array([1, 2]), size=4, rng=np.random.default_rng(0)))
+    pairs = [(r, s) for rows, steps, w in chunks for r, s, wt in zip(rows, steps, w) if wt > 0]
+    assert sorted(pairs) == [(0, 1), (0, 2), (2, 1), (2, 2), (3, 1), (3, 2)]
+    assert [len(c[0]) for c in chunks] == [4, 4] and chunks[-1][2].tolist() == [1, 1, 0, 0]
+
+
+# ---------------------------------------------------------------------------------- the objective
+SIGMAS = schedule.sigmas(6, 1.0)
+LEVELS = rollout.noise_levels(6, 0.7)
+
+
+def _setup(kind="sde", b=6, seed=0):
+    """A rollout of a 'policy' whose velocity is the exact Gaussian one scaled by theta (a scalar param)."""
+    base = gaussian_velocity(0.3, 0.6)
+    velocity_of = lambda theta: (lambda x, s: theta * base(x, s))  # noqa: E731
+    x_T = jax.random.normal(jax.random.PRNGKey(seed), (b, 4, 4, 2))
+    ro = rollout.rollout(velocity_of(1.0), x_T, SIGMAS, LEVELS, jax.random.PRNGKey(seed + 1), kind, patch_size=2)
+
+    def mean_fn(theta, mb):
+        mean, std, _ = kernels.transition(kind, velocity_of(theta), mb["x"], mb["sigma"], mb["sigma_next"], mb["level"], mb["sigma_1"])
+        return mean, std
+
+    rows, steps = (a.ravel().astype(np.int32) for a in np.meshgrid(np.arange(b), np.arange(6), indexing="ij"))
+    adv = jax.random.normal(jax.random.PRNGKey(seed + 2), (b, 1, 1))
+    cond = jnp.zeros((b, 1))
+    mb = grpo.gather_pairs(ro, adv, cond, cond, rows, steps, np.ones(len(rows), np.float32))
+    return ro, mb, mean_fn, adv
+
+
+def _options(**kw):
+    return ConfigDict(dict(dict(clip_range=0.01, beta=0.04, ratio="sample", kl_form="exact", patch_size=2,
+                                logprob_form="gaussian", num_steps=6), **kw))
+
+
+def test_uniform_per_sample_loss_reproduces_flow_grpo():
+    ro, mb, mean_fn, adv = _setup()
+    theta, eps, beta = 1.05, 0.01, 0.04
+    loss, aux = grpo.clipped_loss(theta, 1.0, mb, mean_fn, _options())
+    # Flow-GRPO written out: per-sample log-prob = mean over all elements of norm.logpdf
+    mean, std = mean_fn(theta, mb)
+    s = np.asarray(std)[:, None, None, None]
+    logp = norm.logpdf(mb["x_next"], mean, s).mean(axis=(1, 2, 3))
+    ratio = np.exp(logp - np.asarray(mb["logp_old"]).mean(-1))
+    a = np.asarray(mb["adv"])[:, 0]
+    policy = np.mean(np.maximum(-a * ratio, -a * np.clip(ratio, 1 - eps, 1 + eps)))
+    ref_mean, _ = mean_fn(1.0, mb)
+    kl = np.mean(np.mean((np.asarray(mean) - np.asarray(ref_mean)) ** 2, axis=(1, 2, 3)) / (2 * np.asarray(std) ** 2))
+    np.testing.assert_allclose(loss, policy + beta * kl, rtol=2e-4)
+    np.testing.assert_allclose(aux["clipfrac"], np.mean(np.abs(ratio - 1) > eps), atol=1e-6)
+    assert 0 < float(aux["clipfrac"]) < 1 and float(aux["kl"]) > 0
+
+
+@pytest.mark.parametrize("ratio", ["sample", "token"])
+def test_on_policy_ratio_is_one_and_the_loss_is_minus_the_mean_advantage(ratio):
+    ro, mb, mean_fn, adv = _setup(kind="cps")
+    loss, aux = grpo.clipped_loss(1.0, 1.0, mb, mean_fn, _options(ratio=ratio))
+    np.testing.assert_allclose(aux["ratio_mean_per_step"], 1.0, atol=2e-5)
+    np.testing.assert_allclose(aux["ratio_std_per_step"], 0.0, atol=2e-5)
+    assert float(aux["clipfrac"]) == 0.0 and float(aux["kl"]) == 0.0 and float(aux["approx_kl"]) < 1e-10
+    np.testing.assert_allclose(loss, -np.mean(np.asarray(mb["adv"])), rtol=1e-4)
+
+
+def test_kl_is_the_gaussian_kl_and_the_flow_grpo_form_drops_sqrt_dt():
+    ro, mb, mean_fn, _ = _setup()
+    _, aux = grpo.clipped_loss(1.1, 1.0, mb, mean_fn, _options(beta=1.0))
+    _, aux_compat = grpo.clipped_loss(1.1, 1.0, mb, mean_fn, _options(beta=1.0, kl_form="flow_grpo"))
+    # the closed-form KL(N(m1, s1^2) || N(m2, s2^2)) per element, averaged like the objective
+    mean, std = mean_fn(1.1, mb)
+    ref, _ = mean_fn(1.0, mb)
+    s1 = s2 = np.asarray(std, np.float64)[:, None, None, None]
+    closed = np.log(s2 / s1) + (s1**2 + (np.asarray(mean, np.float64) - np.asarray(ref, np.float64)) ** 2) / (2 * s2**2) - 0.5
+    np.testing.assert_allclose(aux["kl"], closed.mean(), rtol=1e-3)
+    dt = np.asarray(mb["sigma"] - mb["sigma_next"])
+    per_pair = np.mean((np.asarray(mean) - np.asarray(ref)) ** 2, axis=(1, 2, 3)) / (2 * np.asarray(std) ** 2)
+    np.testing.assert_allclose(aux_compat["kl"], np.mean(per_pair * dt), rtol=1e-4)
+
+
+def test_token_ratio_with_token_constant_advantage_has_the_per_sample_gradient_on_policy():
+    # On policy, d/dtheta mean_k(rho_k A) = A d/dtheta mean_k l_k = the per-sample ratio's gradient.
+    ro, mb, mean_fn, _ = _setup()
+    g_sample = jax.grad(lambda th: grpo.clipped_loss(th, 1.0, mb, mean_fn, _options(beta=0.0))[0])(1.0)
+    g_token = jax.grad(lambda th: grpo.clipped_loss(th, 1.0, mb, mean_fn, _options(beta=0.0, ratio="token"))[0])(1.0)
+    np.testing.assert_allclose(g_token, g_sample, rtol=1e-4)
+    assert abs(float(g_sample)) > 0
