@@ -161,7 +161,7 @@ def load_base(name: str):
 def load_prompt_set(path: str, split: str) -> list[dict]:
     try:
         return shapes.load_prompt_file(path) if path else shapes.load_prompts(split)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
 
 

@@ -146,7 +146,9 @@ def test_eight_device_run_agrees_with_one_device(base, tmp_path, monkeypatch):
     for key in ("reward", "loss", "policy_loss", "kl", "clipfrac", "grad_norm"):
         np.testing.assert_allclose(rows[0][key], rows[1][key], rtol=1e-4, atol=1e-6, err_msg=key)
     eight, one = _state(str(tmp_path / "eight")), _state(str(tmp_path / "one"))
-    for a, b in zip(jax.tree_util.tree_leaves(eight["params"]), jax.tree_util.tree_leaves(one["params"])):
-        # Adam divides by sqrt(v): where a gradient is ~0, float-level differences in it move the update by a
-        # visible fraction of lr (1e-3). Within a tenth of one step everywhere:
-        np.testing.assert_allclose(a, b, atol=1e-4)
+    # Adam's first step is ~lr * sign(g): where a gradient is ~0, float-level differences between the two
+    # reductions flip the sign of that element's step. Bound it: every element within one step's size (2 lr)
+    # and all but a handful of elements (< 0.5%) equal to 1e-5.
+    diffs = np.concatenate([np.abs(np.asarray(a) - np.asarray(b)).ravel()
+                            for a, b in zip(jax.tree_util.tree_leaves(eight["params"]), jax.tree_util.tree_leaves(one["params"]))])
+    assert diffs.max() <= 2 * TINY["train.lr"] and np.mean(diffs > 1e-5) < 0.005

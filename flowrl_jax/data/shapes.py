@@ -276,9 +276,9 @@ def load_prompts(split: str, directory: str = PROMPT_DIR) -> list[dict]:
 
 def load_prompt_file(path: str) -> list[dict]:
     """Read and check a prompt file: JSONL, one {"prompt", "category", "spec"} object per line.
-    A missing, empty or malformed file raises ValueError naming the file, the line and the fix."""
+    A missing file raises FileNotFoundError; an empty or malformed one ValueError naming the line and the fix."""
     if not os.path.isfile(path):
-        raise ValueError(f"prompt file {path} not found (the shipped sets are train/test in {PROMPT_DIR})")
+        raise FileNotFoundError(f"prompt file {path} not found (the shipped sets are train/test in {PROMPT_DIR})")
     rows = []
     with open(path) as f:
         for number, line in enumerate(f, 1):
