@@ -6,8 +6,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import runpy  # noqa: E402
 
+import tempfile  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+
+# The train/pretrain tests rebuild their jitted functions per run; a persistent compilation cache (one per
+# session) lets identical programs skip XLA compilation the second time.
+jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="flowrl_jax_xla_cache_"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 import pytest  # noqa: E402
 
 from flowrl_jax.models import build_mmdit  # noqa: E402
