@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from ml_collections import ConfigDict
 from tqdm import tqdm
 
 from flowrl_jax import assets, credit as credit_lib, evaluate, metrics, parallel, rewards as rewards_lib
@@ -70,11 +71,17 @@ def kernel_mean_fn(policy: Policy, sampler_cfg):
 
 
 # -------------------------------------------------------------------------------------------- the steps
+def sampler_levels(sampler_cfg):
+    """[T] noise level per step from `config.sampler` (its SDE window; `()` = every step)."""
+    window = tuple(sampler_cfg.sde_window) if sampler_cfg.sde_window else None
+    return rollout_lib.noise_levels(sampler_cfg.num_steps, sampler_cfg.noise_level, window)
+
+
 def make_rollout_fn(policy: Policy, config):
     """jit-able `(trainable, frozen, ids, mask, rng) -> (Rollout, cond, null)`."""
     s, t = config.sampler, config.train
     sigmas = schedule.sigmas(s.num_steps, s.shift)
-    levels = rollout_lib.noise_levels(s.num_steps, s.noise_level, tuple(s.sde_window) if s.sde_window else None)
+    levels = sampler_levels(s)
 
     def rollout_fn(trainable, frozen, ids, mask, rng):
         cond = policy.pipe.encode(frozen["text"], ids, mask)
@@ -93,7 +100,8 @@ def make_update_fn(policy: Policy, optimizer, config):
     optimizer step of the configured objective on the pairs `(rows[m], steps[m])`."""
     o, s = config.objective, config.sampler
     loss_fn = OBJECTIVES[o.name]
-    options = _Options(dict(o), patch_size=policy.pipe.dit.patch_size, logprob_form=s.logprob_form, num_steps=s.num_steps)
+    options = ConfigDict({**o.to_dict(), "patch_size": policy.pipe.dit.patch_size, "logprob_form": s.logprob_form,
+                          "num_steps": s.num_steps})
     mean_fn = kernel_mean_fn(policy, s)
     ema_decay = config.train.ema_decay
 
@@ -115,14 +123,6 @@ def make_update_fn(policy: Policy, optimizer, config):
         return {**state, "params": params, "opt_state": opt_state, "ema": ema, "updates": n}, stats
 
     return update
-
-
-class _Options(dict):
-    """A config section as attribute access, plus derived fields (hashable by identity for closures)."""
-
-    def __init__(self, base: dict, **extra):
-        super().__init__(base, **extra)
-        self.__dict__ = self
 
 
 def make_credit_fn(credit):
@@ -229,8 +229,7 @@ class Steps:
                                in_shardings=(self.shardings["params"], frozen_shardings, data, data, replicated))
         self.credit = jax.jit(make_credit_fn(credit), static_argnums=3)
         self.update = jax.jit(make_update_fn(policy, optimizer, config), out_shardings=(self.shardings, None), donate_argnums=0)
-        window = tuple(s_cfg.sde_window) if s_cfg.sde_window else None
-        self.trained_steps = np.flatnonzero(np.asarray(rollout_lib.noise_levels(s_cfg.num_steps, s_cfg.noise_level, window)))
+        self.trained_steps = np.flatnonzero(np.asarray(sampler_levels(s_cfg)))
         batch = t_cfg.prompts_per_iteration * t_cfg.group_size
         self.minibatch_size = -(-batch * len(self.trained_steps) // t_cfg.minibatches)
 
@@ -247,7 +246,7 @@ def run(config, workdir: str | None) -> dict:
     try:
         reward_fn = rewards_lib.build(t_cfg.rewards)
         credit = credit_lib.build(config.credit, config.credit_options, config.advantage.global_std, config.advantage.clip)
-        rollout_lib.noise_levels(s_cfg.num_steps, s_cfg.noise_level, tuple(s_cfg.sde_window) if s_cfg.sde_window else None)
+        sampler_levels(s_cfg)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
     train_prompts = load_prompt_set(config.prompts.train, "train")
