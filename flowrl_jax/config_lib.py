@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ml_collections import ConfigDict
 
+from flowrl_jax.data import curriculum
 from flowrl_jax.models.presets import PRESETS
 from flowrl_jax.parallel import DEFAULT_RULES
 
@@ -63,10 +64,11 @@ def train_config() -> ConfigDict:
                        same_noise_per_group=False, logprob_form="gaussian")  # sde_window () = every step
     cfg.train = dict(iterations=200, prompts_per_iteration=8, group_size=12, num_inner_epochs=1, minibatches=4,
                      lr=3e-4, weight_decay=1e-4, grad_clip=1.0, ema_decay=0.9, lora_rank=0,
-                     rewards=(("shapes_score", 1.0),))
+                     rewards=(("shapes_score", 1.0),), time_budget_s=0.0)  # time budget: stop after this much training wall time (0 = none)
     cfg.advantage = dict(global_std=True, clip=5.0)
     cfg.credit = ("uniform",)
-    cfg.credit_options = ConfigDict()
+    cfg.credit_options = ConfigDict()  # per scheme, e.g. {"spatial": {"tau": 2.0}}; defaults in each credit module
+    cfg.curriculum = dict(enabled=False, **curriculum.DEFAULTS)  # AdaGRPO's prompt curriculum, SPEC §5
     cfg.objective = dict(name="grpo", clip_range=1e-4, beta=0.04, ratio="sample", kl_form="exact")
     cfg.eval = dict(every=50, at_start=True, per_category=0, samples_per_prompt=1, batch_size=210, num_steps=20, cfg=3.0, shift=1.0)
     cfg.checkpoint = dict(every=25, keep=3)

@@ -144,3 +144,12 @@ def global_from_local(local: np.ndarray, mesh: jax.sharding.Mesh, axes: Sequence
     """The inverse of `local_rows`: every process's rows (e.g. host-computed rewards) as one global
     array sharded on the batch axes, so statistics over it (group advantages) see all processes."""
     return shard_batch(np.asarray(local), mesh, axes)
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """The whole global array on every process's host (small arrays: rewards, statistics)."""
+    if jax.process_count() == 1:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -32,7 +32,9 @@ from tqdm import tqdm
 from flowrl_jax import assets, credit as credit_lib, evaluate, metrics, parallel, rewards as rewards_lib
 from flowrl_jax.checkpoint import Checkpointer
 from flowrl_jax.config_lib import ConfigError
-from flowrl_jax.data import shapes
+from flowrl_jax.credit import spatial
+from flowrl_jax.credit.context import Context
+from flowrl_jax.data import curriculum, shapes
 from flowrl_jax.models import lora
 from flowrl_jax.objectives import OBJECTIVES, grpo
 from flowrl_jax.sampling import kernels, rollout as rollout_lib, schedule
@@ -60,12 +62,11 @@ class Policy:
 
 
 def kernel_mean_fn(policy: Policy, sampler_cfg):
-    """`mean_fn(variables, mb) -> (mean, std)`: the rollout's kernel (with CFG) at the minibatch's states."""
+    """`mean_fn(variables, mb) -> (mean, std, v)`: the rollout's kernel (with CFG) at the minibatch's states."""
 
     def mean_fn(variables, mb):
         velocity = rollout_lib.guided(policy.velocity_fn(variables), mb["cond"], mb["null"], sampler_cfg.cfg)
-        mean, std, _ = kernels.transition(sampler_cfg.kind, velocity, mb["x"], mb["sigma"], mb["sigma_next"], mb["level"], mb["sigma_1"])
-        return mean, std
+        return kernels.transition(sampler_cfg.kind, velocity, mb["x"], mb["sigma"], mb["sigma_next"], mb["level"], mb["sigma_1"])
 
     return mean_fn
 
@@ -101,7 +102,7 @@ def make_update_fn(policy: Policy, optimizer, config):
     o, s = config.objective, config.sampler
     loss_fn = OBJECTIVES[o.name]
     options = ConfigDict({**o.to_dict(), "patch_size": policy.pipe.dit.patch_size, "logprob_form": s.logprob_form,
-                          "num_steps": s.num_steps})
+                          "num_steps": s.num_steps, "kernel": s.kind})
     mean_fn = kernel_mean_fn(policy, s)
     ema_decay = config.train.ema_decay
 
@@ -125,9 +126,33 @@ def make_update_fn(policy: Policy, optimizer, config):
     return update
 
 
+def make_completion_fn(policy: Policy, config):
+    """jit-able `(trainable, frozen, cond, null, states [B, m, H, W, C], steps) -> [B, m, H, W, C]`: the
+    ODE sampler (CFG) from each state, the state before step `steps[j]`, to sigma = 0; all `B m`
+    completions in one scan over the steps (a row waits, unchanged, until its own step). `steps` is static."""
+    s = config.sampler
+    sigmas = schedule.sigmas(s.num_steps, s.shift)
+
+    def complete(trainable, frozen, cond, null, states, steps):
+        b, m = states.shape[:2]
+        x = states.reshape((b * m,) + states.shape[2:])
+        start = jnp.tile(jnp.asarray(steps, jnp.int32), b)
+        repeat = lambda tree: jax.tree_util.tree_map(lambda a: jnp.repeat(a, m, axis=0), tree)  # noqa: E731
+        velocity = rollout_lib.guided(policy.velocity_fn(policy.variables(trainable, frozen["dit"])), repeat(cond), repeat(null), s.cfg)
+
+        def step(x, i):
+            mean, _, _ = kernels.transition("ode", velocity, x, sigmas[i], sigmas[i + 1], 0.0, sigmas[1])
+            return jnp.where(kernels._col(i >= start, x), mean, x), None
+
+        x, _ = jax.lax.scan(step, x, jnp.arange(min(steps), s.num_steps))
+        return x.reshape(states.shape)
+
+    return complete
+
+
 def make_credit_fn(credit):
-    def credit_fn(ro, rewards, group_ids, num_groups, credit_state):
-        inputs = {"rollout": ro, "rewards": rewards, "group_ids": group_ids, "num_groups": num_groups}
+    def credit_fn(ro, rewards, group_ids, num_groups, credit_state, extras):
+        inputs = {"rollout": ro, "rewards": rewards, "group_ids": group_ids, "num_groups": num_groups, **extras}
         adv, credit_state = credit.apply(inputs, credit_state)
         return adv, credit_state, credit_lib.kept_samples(adv, ro.trained)
 
@@ -207,8 +232,9 @@ class Steps:
     `update(state, frozen, ro, adv, cond, null, rows, steps, weight)`. `frozen = {"dit", "text"}` are the
     base weights (the KL reference and the frozen text encoder), sharded by the partition rules."""
 
-    def __init__(self, config, mesh, pipe, base: dict, credit):
+    def __init__(self, config, mesh, pipe, base: dict, credit, num_prompts: int = 0):
         t_cfg, s_cfg = config.train, config.sampler
+        self.mesh = mesh
         self.policy = policy = Policy(pipe, t_cfg.lora_rank)
         optimizer = optax.chain(optax.clip_by_global_norm(t_cfg.grad_clip),
                                 optax.adamw(t_cfg.lr, b1=0.9, b2=0.999, weight_decay=t_cfg.weight_decay))
@@ -218,8 +244,11 @@ class Steps:
 
         def init_state(r):
             params = policy.init(self.frozen["dit"], r)
-            return {"step": jnp.zeros((), jnp.int32), "updates": jnp.zeros((), jnp.int32), "params": params, "ema": params,
-                    "opt_state": optimizer.init(params), "credit": credit.init()}
+            state = {"step": jnp.zeros((), jnp.int32), "updates": jnp.zeros((), jnp.int32), "params": params, "ema": params,
+                     "opt_state": optimizer.init(params), "credit": credit.init()}
+            if config.curriculum.enabled:
+                state["curriculum"] = jax.tree_util.tree_map(jnp.asarray, curriculum.init(num_prompts))
+            return state
 
         rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
         self.shardings = parallel.tree_shardings(jax.eval_shape(init_state, rng), mesh, rules, min_size)
@@ -228,10 +257,24 @@ class Steps:
         self.rollout = jax.jit(make_rollout_fn(policy, config),
                                in_shardings=(self.shardings["params"], frozen_shardings, data, data, replicated))
         self.credit = jax.jit(make_credit_fn(credit), static_argnums=3)
+        self.complete = jax.jit(make_completion_fn(policy, config), static_argnums=5)
+        self._reward_gradient = None
         self.update = jax.jit(make_update_fn(policy, optimizer, config), out_shardings=(self.shardings, None), donate_argnums=0)
         self.trained_steps = np.flatnonzero(np.asarray(sampler_levels(s_cfg)))
         batch = t_cfg.prompts_per_iteration * t_cfg.group_size
         self.minibatch_size = -(-batch * len(self.trained_steps) // t_cfg.minibatches)
+
+    def context(self, state, ro, cond, null, prompts_local, reward_fn) -> Context:
+        """The credit schemes' host-side tools for this iteration (`credit.context`)."""
+        def complete(states, steps):
+            return self.complete(state["params"], self.frozen, cond, null, states, tuple(int(t) for t in steps))
+
+        def reward_gradient(images, prompts):
+            if self._reward_gradient is None:  # loaded on first use: only spatial credit needs it
+                self._reward_gradient = rewards_lib.learned_gradient(lambda a: parallel.shard_batch(a, self.mesh))
+            return self._reward_gradient(images, prompts)
+
+        return Context(ro, prompts_local, reward_fn, self.mesh, complete, reward_gradient)
 
 
 # ------------------------------------------------------------------------------------------------- run
@@ -249,6 +292,11 @@ def run(config, workdir: str | None) -> dict:
         sampler_levels(s_cfg)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
+    if "spatial" in credit.names and config.objective.ratio != "token":
+        raise ConfigError("credit 'spatial' weights tokens, which a per-sample ratio averages away: "
+                          "set --config.objective.ratio=token")
+    if config.objective.name == "lambda_grpo" and s_cfg.kind == "lc":
+        raise ConfigError("objective lambda_grpo needs an affine kernel: sampler.kind sde or cps (lc is not affine in v)")
     train_prompts = load_prompt_set(config.prompts.train, "train")
     test_prompts = load_prompt_set(config.prompts.test, "test")
     if e_cfg.per_category:
@@ -260,8 +308,8 @@ def run(config, workdir: str | None) -> dict:
     if batch % jax.device_count():
         raise ConfigError(f"train.prompts_per_iteration x train.group_size = {batch} must be divisible by the {jax.device_count()} devices")
     pipe, base, base_info = load_base(config.base)
-    steps = Steps(config, mesh, pipe, base, credit)
-    state, frozen, policy = steps.state, steps.frozen, steps.policy
+    jitted = Steps(config, mesh, pipe, base, credit, len(train_prompts))
+    state, frozen, policy = jitted.state, jitted.frozen, jitted.policy
     rng = jax.random.PRNGKey(config.seed)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep)
     os.makedirs(workdir, exist_ok=True)
@@ -276,8 +324,8 @@ def run(config, workdir: str | None) -> dict:
         state, history = restored, {**history, **meta.get("history", {})}
         print(f"resumed from step {int(state['step'])} in {ckpt.directory}")
 
-    rollout_fn, credit_fn, update_fn = steps.rollout, steps.credit, steps.update
-    trained_steps, minibatch_size = steps.trained_steps, steps.minibatch_size
+    rollout_fn, credit_fn, update_fn = jitted.rollout, jitted.credit, jitted.update
+    trained_steps, minibatch_size = jitted.trained_steps, jitted.minibatch_size
     sampler = evaluate.make_sampler(pipe, e_cfg.num_steps, e_cfg.cfg, e_cfg.shift)
     local = parallel.process_batch_slice(batch)
     writer = metrics.MetricWriter(workdir)
@@ -305,7 +353,12 @@ def run(config, workdir: str | None) -> dict:
                 t0 = time.time()
                 it_rng = jax.random.fold_in(rng, it)
                 host_rng = np.random.default_rng([config.seed, it])
-                prompts = [p for p in sample_prompts(train_prompts, t_cfg.prompts_per_iteration, host_rng) for _ in range(t_cfg.group_size)]
+                if config.curriculum.enabled:
+                    drawn = curriculum.draw(jax.device_get(state["curriculum"]), t_cfg.prompts_per_iteration, host_rng, config.curriculum)
+                    chosen = [train_prompts[i] for i in drawn]
+                else:
+                    chosen = sample_prompts(train_prompts, t_cfg.prompts_per_iteration, host_rng)
+                prompts = [p for p in chosen for _ in range(t_cfg.group_size)]
                 group_ids = np.repeat(np.arange(t_cfg.prompts_per_iteration, dtype=np.int32), t_cfg.group_size)
                 ids, mask = pipe.tokenize([p["prompt"] for p in prompts])
                 ids, mask = parallel.shard_batch((ids[local], mask[local]), mesh)
@@ -317,8 +370,18 @@ def run(config, workdir: str | None) -> dict:
                 _finite_or_stop({"reward": reward}, it + 1, "the", ckpt)
                 rewards = parallel.global_from_local(reward, mesh)
                 gids = parallel.global_from_local(group_ids[local], mesh)
-                adv, credit_state, keep = credit_fn(ro, rewards, gids, t_cfg.prompts_per_iteration, state["credit"])
+                extras = credit.prepare(jitted.context(state, ro, cond, null, prompts[local], reward_fn))
+                adv, credit_state, keep = credit_fn(ro, rewards, gids, t_cfg.prompts_per_iteration, state["credit"], extras)
                 state = {**state, "credit": credit_state}
+                if config.curriculum.enabled:
+                    by_group = parallel.to_host(rewards).reshape(t_cfg.prompts_per_iteration, t_cfg.group_size)
+                    updated = curriculum.update(jax.device_get(state["curriculum"]), drawn, by_group, config.curriculum)
+                    state = {**state, "curriculum": jax.device_put(updated, jitted.shardings["curriculum"])}
+                if "spatial" in credit.names and (it == start or it + 1 == t_cfg.iterations):
+                    w = spatial.weights({"rollout": ro, **extras}, config.credit_options.get("spatial", None))
+                    spatial.save_credit_maps(parallel.local_rows(ro.final), parallel.local_rows(w), pipe.dit.patch_size,
+                                             os.path.join(workdir, f"credit_maps_{it + 1:06d}.png"),
+                                             [p["prompt"] for p in prompts[local]])
                 keep = np.asarray(keep)
                 t2 = time.time()
 
@@ -339,21 +402,25 @@ def run(config, workdir: str | None) -> dict:
                            **{k: float(v) for k, v in stats.items() if np.ndim(v) == 0},
                            "rollout_s": t1 - t0, "reward_s": t2 - t1, "update_s": t3 - t2, "updates": len(step_stats),
                            "wall_s": history["wall_s"]}
-                for key in ("ratio_mean_per_step", "ratio_std_per_step"):
+                for key in (k for k in stats if k.endswith("_per_step")):
                     for t in trained_steps:
-                        scalars[f"{key[:-9]}/step_{t}"] = float(stats[key][t]) if stats else 1.0
+                        scalars[f"{key[:-9]}/step_{t}"] = float(stats[key][t])
                 writer.scalars(done, scalars)
                 bar.set_postfix(reward=f"{scalars['reward']:.3f}", clipfrac=f"{scalars.get('clipfrac', 0):.3f}",
                                 kl=f"{scalars.get('kl', 0):.2e}")
-                if e_cfg.every and done % e_cfg.every == 0 and done != t_cfg.iterations:
+                out_of_time = bool(t_cfg.time_budget_s) and history["wall_s"] >= t_cfg.time_budget_s
+                last = done == t_cfg.iterations or out_of_time
+                if (e_cfg.every and done % e_cfg.every == 0) or last:
                     run_eval(done)
-                if done == t_cfg.iterations:
-                    run_eval(done)
-                if done % config.checkpoint.every == 0 or done == t_cfg.iterations or stop.requested:
+                if done % config.checkpoint.every == 0 or last or stop.requested:
                     ckpt.save(done, state, {"step": done, "history": history})
                 if stop.requested:
                     stopped = stop.requested
                     tqdm.write(f"{stopped}: saved a checkpoint at step {done} in {ckpt.directory}; rerun the same command to resume")
+                    break
+                if out_of_time:
+                    stopped = "time_budget"
+                    tqdm.write(f"train.time_budget_s={t_cfg.time_budget_s} reached after {done} iterations ({history['wall_s']:.0f} s)")
                     break
     finally:
         ckpt.close()

@@ -44,6 +44,36 @@ def generate(pipe, params, prompts: list[dict], n: int, samplers: dict, seed: in
     return np.concatenate(images), rows
 
 
+def cached_base_samples(pipe, params, train, test, cfg, seed: int, workdir: str):
+    """Base-model samples for train and held-out test prompts, cached in `workdir/base_samples.npz`
+    (they are most of the job's time; a rerun with the same base, counts, CFGs and seed reuses them)."""
+    key = json.dumps([str(cfg.base), int(cfg.generated_train), int(cfg.generated_test), list(cfg.cfgs), int(seed)])
+    path = os.path.join(workdir, "base_samples.npz")
+    if os.path.exists(path):
+        cached = np.load(path)
+        if str(cached["key"]) == key:
+            by_prompt = {p["prompt"]: p for p in train + test}
+            return tuple((cached[f"{s}_images"].astype(np.float32) / 127.5 - 1.0, [by_prompt[str(q)] for q in cached[f"{s}_prompts"]])
+                         for s in ("train", "test"))
+    samplers = {c: evaluate.make_sampler(pipe, 20, c, 1.0) for c in cfg.cfgs}
+    out = (generate(pipe, params, train, cfg.generated_train, samplers, seed=seed + 1),
+           generate(pipe, params, test, cfg.generated_test, samplers, seed=seed + 2))
+    os.makedirs(workdir, exist_ok=True)
+    np.savez_compressed(path, key=key, **{f"{s}_{f}": v for s, (images, rows) in zip(("train", "test"), out)
+                                          for f, v in (("images", metrics.to_uint8(images)), ("prompts", np.array([r["prompt"] for r in rows])))})
+    # the cache holds uint8 pixels: use the same quantized images now as on a rerun
+    return tuple((metrics.to_uint8(images).astype(np.float32) / 127.5 - 1.0, rows) for images, rows in out)
+
+
+def reward_loss(pred, target, kind: str = "bce"):
+    """Mean loss of predicted scores `pred [B]` in (0, 1) against exact scores `target [B]` in [0, 1]:
+    "mse", or "bce" (binary cross-entropy with soft targets; steeper near 0 and 1, where most scores are)."""
+    if kind == "mse":
+        return jnp.mean((pred - target) ** 2)
+    p = jnp.clip(pred, 1e-6, 1 - 1e-6)
+    return -jnp.mean(target * jnp.log(p) + (1 - target) * jnp.log1p(-p))
+
+
 def pearson(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.corrcoef(a, b)[0, 1])
@@ -57,9 +87,7 @@ def run(config, workdir: str | None) -> dict:
     train, test = shapes.load_prompts("train"), shapes.load_prompts("test")
     rng = np.random.default_rng(config.seed)
 
-    samplers = {c: evaluate.make_sampler(pipe, 20, c, 1.0) for c in cfg.cfgs}
-    gen_train = generate(pipe, base_params, train, cfg.generated_train, samplers, seed=config.seed + 1)
-    gen_test = generate(pipe, base_params, test, cfg.generated_test, samplers, seed=config.seed + 2)
+    gen_train, gen_test = cached_base_samples(pipe, base_params, train, test, cfg, config.seed, workdir)
     data = learned.make_reward_data(train + test, cfg.rendered, rng, pipe.dit.sample_size, generated=gen_train)
     held = learned.make_reward_data(test, 0, rng, generated=gen_test)
     ids, mask = pipe.tokenize(data["prompts"])
@@ -74,7 +102,7 @@ def run(config, workdir: str | None) -> dict:
 
     @jax.jit
     def step(params, opt_state, images, ids, mask, target):
-        loss, grads = jax.value_and_grad(lambda p: jnp.mean((model.apply({"params": p}, images, ids, mask) - target) ** 2))(params)
+        loss, grads = jax.value_and_grad(lambda p: reward_loss(model.apply({"params": p}, images, ids, mask), target, cfg.loss))(params)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -85,18 +113,24 @@ def run(config, workdir: str | None) -> dict:
 
     writer = metrics.MetricWriter(workdir)
     n = len(data["score"])
+    generated = np.flatnonzero(data["source"] == "generated")
+    rendered = np.flatnonzero(data["source"] != "generated")
+    n_gen = int(round(cfg.generated_fraction * cfg.batch_size)) if len(generated) else 0
     for i in (bar := tqdm(range(cfg.steps), desc="reward")):
-        idx = rng.integers(n, size=cfg.batch_size)
+        idx = np.concatenate([rng.choice(generated, n_gen), rng.choice(rendered, cfg.batch_size - n_gen)])
         params, opt_state, loss = step(params, opt_state, data["images"][idx], ids[idx], mask[idx], data["score"][idx])
         if (i + 1) % 100 == 0:
             bar.set_postfix(loss=f"{float(loss):.4f}")
             writer.scalars(i + 1, {"reward/loss": float(loss)})
+        if (i + 1) % 1000 == 0 or i + 1 == cfg.steps:
+            r = pearson(predict_all(params, held["images"], held_ids, held_mask), held["score"])
+            writer.scalars(i + 1, {"reward/pearson_heldout": r})
+            tqdm.write(f"step {i + 1}: held-out Pearson {r:.3f}")
 
     pred_held = predict_all(params, held["images"], held_ids, held_mask)
     result = {"pearson_heldout_base_samples": pearson(pred_held, held["score"]), "n_heldout": int(len(pred_held)),
               "n_train": int(n), "train_sources": {s: int((data["source"] == s).sum()) for s in np.unique(data["source"])},
               "mse_heldout": float(np.mean((pred_held - held["score"]) ** 2)), "base": info["name"]}
-    writer.scalars(cfg.steps, {"reward/pearson_heldout": result["pearson_heldout_base_samples"]})
     writer.close()
     print(json.dumps(result, indent=2))
     with open(os.path.join(workdir, "reward_eval.json"), "w") as f:

@@ -63,8 +63,7 @@ def _setup(kind="sde", b=6, seed=0):
     ro = rollout.rollout(velocity_of(1.0), x_T, SIGMAS, LEVELS, jax.random.PRNGKey(seed + 1), kind, patch_size=2)
 
     def mean_fn(theta, mb):
-        mean, std, _ = kernels.transition(kind, velocity_of(theta), mb["x"], mb["sigma"], mb["sigma_next"], mb["level"], mb["sigma_1"])
-        return mean, std
+        return kernels.transition(kind, velocity_of(theta), mb["x"], mb["sigma"], mb["sigma_next"], mb["level"], mb["sigma_1"])
 
     rows, steps = (a.ravel().astype(np.int32) for a in np.meshgrid(np.arange(b), np.arange(6), indexing="ij"))
     adv = jax.random.normal(jax.random.PRNGKey(seed + 2), (b, 1, 1))
@@ -75,7 +74,7 @@ def _setup(kind="sde", b=6, seed=0):
 
 def _options(**kw):
     return ConfigDict(dict(dict(clip_range=0.01, beta=0.04, ratio="sample", kl_form="exact", patch_size=2,
-                                logprob_form="gaussian", num_steps=6), **kw))
+                                logprob_form="gaussian", num_steps=6, kernel="sde"), **kw))
 
 
 def test_uniform_per_sample_loss_reproduces_flow_grpo():
@@ -83,13 +82,13 @@ def test_uniform_per_sample_loss_reproduces_flow_grpo():
     theta, eps, beta = 1.05, 0.01, 0.04
     loss, aux = grpo.clipped_loss(theta, 1.0, mb, mean_fn, _options())
     # Flow-GRPO written out: per-sample log-prob = mean over all elements of norm.logpdf
-    mean, std = mean_fn(theta, mb)
+    mean, std, _ = mean_fn(theta, mb)
     s = np.asarray(std)[:, None, None, None]
     logp = norm.logpdf(mb["x_next"], mean, s).mean(axis=(1, 2, 3))
     ratio = np.exp(logp - np.asarray(mb["logp_old"]).mean(-1))
     a = np.asarray(mb["adv"])[:, 0]
     policy = np.mean(np.maximum(-a * ratio, -a * np.clip(ratio, 1 - eps, 1 + eps)))
-    ref_mean, _ = mean_fn(1.0, mb)
+    ref_mean, _, _ = mean_fn(1.0, mb)
     kl = np.mean(np.mean((np.asarray(mean) - np.asarray(ref_mean)) ** 2, axis=(1, 2, 3)) / (2 * np.asarray(std) ** 2))
     np.testing.assert_allclose(loss, policy + beta * kl, rtol=2e-4)
     np.testing.assert_allclose(aux["clipfrac"], np.mean(np.abs(ratio - 1) > eps), atol=1e-6)
@@ -99,7 +98,7 @@ def test_uniform_per_sample_loss_reproduces_flow_grpo():
 @pytest.mark.parametrize("ratio", ["sample", "token"])
 def test_on_policy_ratio_is_one_and_the_loss_is_minus_the_mean_advantage(ratio):
     ro, mb, mean_fn, adv = _setup(kind="cps")
-    loss, aux = grpo.clipped_loss(1.0, 1.0, mb, mean_fn, _options(ratio=ratio))
+    loss, aux = grpo.clipped_loss(1.0, 1.0, mb, mean_fn, _options(ratio=ratio, kernel="cps"))
     np.testing.assert_allclose(aux["ratio_mean_per_step"], 1.0, atol=2e-5)
     np.testing.assert_allclose(aux["ratio_std_per_step"], 0.0, atol=2e-5)
     assert float(aux["clipfrac"]) == 0.0 and float(aux["kl"]) == 0.0 and float(aux["approx_kl"]) < 1e-10
@@ -111,8 +110,8 @@ def test_kl_is_the_gaussian_kl_and_the_flow_grpo_form_drops_sqrt_dt():
     _, aux = grpo.clipped_loss(1.1, 1.0, mb, mean_fn, _options(beta=1.0))
     _, aux_compat = grpo.clipped_loss(1.1, 1.0, mb, mean_fn, _options(beta=1.0, kl_form="flow_grpo"))
     # the closed-form KL(N(m1, s1^2) || N(m2, s2^2)) per element, averaged like the objective
-    mean, std = mean_fn(1.1, mb)
-    ref, _ = mean_fn(1.0, mb)
+    mean, std, _ = mean_fn(1.1, mb)
+    ref, _, _ = mean_fn(1.0, mb)
     s1 = s2 = np.asarray(std, np.float64)[:, None, None, None]
     closed = np.log(s2 / s1) + (s1**2 + (np.asarray(mean, np.float64) - np.asarray(ref, np.float64)) ** 2) / (2 * s2**2) - 0.5
     np.testing.assert_allclose(aux["kl"], closed.mean(), rtol=1e-3)

@@ -5,8 +5,10 @@
     A, state = credit.apply(inputs, state)       # A [B, T, K] (K = 1 or N tokens, broadcastable)
 
 `inputs` is a dict: `rollout` (sampling.rollout.Rollout), `rewards [B]`, `group_ids [B]`,
-`num_groups`, and whatever a scheme's host-side preparation added (e.g. the rewards of ODE
-completions for turning points, reward gradients for spatial credit). The chain starts from
+`num_groups`, `normalize` (`(r [B], group_std) -> A [B]`, SPEC §2 with the run's clip), and what each
+scheme's host-side `prepare(ctx, options)` added under its own name (the rewards of Tweedie estimates
+for stepwise credit, of ODE completions for turning points, learned-reward gradients for spatial
+credit; `ctx` is a `credit.context.Context` with the rollout and the tools). The chain starts from
 Flow-GRPO's group-relative advantage `A[b]` as `[B, 1, 1]` and each named scheme refines the
 previous one's output, so schemes compose: `("turning_point", "spatial")` re-weights turning-point
 step advantages per token. A scheme is `Scheme(init, apply)`; `apply(inputs, A, state, options)` is
@@ -19,16 +21,25 @@ from typing import Any, Callable, NamedTuple
 
 import jax.numpy as jnp
 
-from flowrl_jax.credit import group
+from flowrl_jax.credit import adaptive, group, spatial, stepwise, turning_point
 
 
 class Scheme(NamedTuple):
     init: Callable[[Any], Any]           # options -> state pytree ({} when stateless)
     apply: Callable[..., tuple[Any, Any]]  # (inputs, A, state, options) -> (A, state)
+    prepare: Callable | None = None      # host side: (ctx, options) -> pytree of global arrays, or None
+
+
+def _stateless(options):
+    return {}
 
 
 SCHEMES: dict[str, Scheme] = {
-    "uniform": Scheme(lambda options: {}, group.uniform),
+    "uniform": Scheme(_stateless, group.uniform),
+    "stepwise": Scheme(_stateless, stepwise.apply, stepwise.prepare),
+    "turning_point": Scheme(_stateless, turning_point.apply, turning_point.prepare),
+    "spatial": Scheme(_stateless, spatial.apply, spatial.prepare),
+    "adaptive": Scheme(adaptive.init, adaptive.apply),
 }
 
 
@@ -36,6 +47,7 @@ class Credit(NamedTuple):
     names: tuple[str, ...]
     init: Callable[[], dict]
     apply: Callable[[dict, dict], tuple[Any, dict]]
+    prepare: Callable[[Any], dict]  # host side, before `apply`: ctx -> {name: extras} (global arrays)
 
 
 def build(names, options, global_std: bool = True, clip: float = 5.0) -> Credit:
@@ -49,15 +61,21 @@ def build(names, options, global_std: bool = True, clip: float = 5.0) -> Credit:
     def init() -> dict:
         return {n: SCHEMES[n].init(opts[n]) for n in names}
 
+    def prepare(ctx) -> dict:
+        return {n: SCHEMES[n].prepare(ctx, opts[n]) for n in names if SCHEMES[n].prepare is not None}
+
     def apply(inputs: dict, state: dict):
-        a = group.group_advantages(inputs["rewards"], inputs["group_ids"], inputs["num_groups"], global_std, clip)
-        adv = a[:, None, None]
+        def normalize(r, group_std: bool = not global_std):
+            return group.group_advantages(r, inputs["group_ids"], inputs["num_groups"], not group_std, clip)
+
+        inputs = {**inputs, "normalize": normalize}
+        adv = normalize(inputs["rewards"])[:, None, None]
         new_state = dict(state)
         for n in names:
             adv, new_state[n] = SCHEMES[n].apply(inputs, adv, state[n], opts[n])
         return adv, new_state
 
-    return Credit(names, init, apply)
+    return Credit(names, init, apply, prepare)
 
 
 def kept_samples(adv, trained) -> jnp.ndarray:

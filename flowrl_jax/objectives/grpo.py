@@ -6,20 +6,33 @@
 next states `x_next [M, H, W, C]`, the step's `sigma`, `sigma_next`, noise level `level`, the step
 index `step [M]`, the rollout policy's per-token log-probs `logp_old [M, N]`, the advantages
 `adv [M, K]` (K = 1 or N), the condition, and a `weight [M]` (0 on padding). `mean_fn(params, mb) ->
-(mean, std)` is the kernel mean of the policy with `params` at `mb.x` (the same kernel as the rollout).
+(mean, std, v)` is the kernel mean (and std, and velocity at `mb.x`) of the policy with `params` at
+`mb.x` (the same kernel as the rollout).
 
 - Ratio per sample (Flow-GRPO default): `rho = exp(mean_k l_theta - mean_k l_old)` with the token-mean
   advantage; per token (`ratio="token"`, what spatial credit needs): `rho[k] = exp(l_theta[k] - l_old[k])`.
 - `L = -mean[min(rho A, clip(rho, 1 - eps, 1 + eps) A)] + beta KL`; the mean is over pairs (and tokens).
 - `KL = mean_e (mu_theta - mu_ref)^2 / (2 std^2)`, the exact KL between the two Gaussian kernels;
   `kl_form="flow_grpo"` divides by the std without its `sqrt(-dt)` factor, as Flow-GRPO's code does.
-- Reported: clipfrac, approx_kl (`0.5 mean (log rho)^2`), the KL, and the ratio's mean/std per step.
+- Reported: clipfrac, approx_kl (`0.5 mean (log rho)^2`), the KL, the ratio's mean/std per step, and
+  the path variance `V_t` per step, measured and predicted (below), for every run.
+
+lambda-controlled GRPO (`lambda_loss`, objective `lambda_grpo`, SPEC §4). With `dmu = mu_theta - mu_old`
+the mean-reduced log-ratio has mean `-V/2` and variance `V/D`, `V = mean_e(dmu^2) / std^2`. Measured:
+`V` from the kernel means. Predicted: `kappa_t mean_e(dv^2)` with `dv = v_theta - v_old`
+(`v_old = (x - x0_hat) / sigma` from the rollout's Tweedie estimate) and the step's cost
+`kappa_t = c_t^2 / std_t^2`, `c_t = d mu / d v` (`kernels.affine_coefficients`); the two agree for the
+affine kernels (sde, cps). The objective then (i) calibrates `rho~ = rho exp(sg(V) / 2)` (per sample,
+or per token with the token's V), (ii) clips `rho~` at `eps`, (iii) weights each pair by the effort
+`w_t = (1 / kappa_t) / mean_u(1 / kappa_u)` over the trained steps u, (iv) drops the gradient of the
+steps whose minibatch-mean `V_t` exceeds the budget `lambda D = eps^2 D` that round.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from flowrl_jax.models.mmdit import patchify
 from flowrl_jax.sampling import kernels
 
 RATIOS = ("sample", "token")
@@ -33,9 +46,10 @@ def gather_pairs(ro, adv, cond, null_cond, rows, steps, weight) -> dict:
     adv_t = adv[rows, jnp.minimum(steps, adv.shape[1] - 1)]
     pick = lambda tree: jax.tree_util.tree_map(lambda a: a[rows], tree)  # noqa: E731
     return {"x": take(ro.states), "x_next": take(ro.next_states), "mean_old": take(ro.means), "std": take(ro.stds),
-            "logp_old": take(ro.logp), "sigma": ro.sigmas[steps], "sigma_next": ro.sigmas[steps + 1],
+            "logp_old": take(ro.logp), "x0_hat": take(ro.x0_hat), "sigma": ro.sigmas[steps], "sigma_next": ro.sigmas[steps + 1],
             "level": ro.noise_levels[steps], "sigma_1": ro.sigmas[1], "step": steps, "adv": adv_t,
-            "cond": pick(cond), "null": pick(null_cond), "weight": weight}
+            "cond": pick(cond), "null": pick(null_cond), "weight": weight,
+            "all_sigmas": ro.sigmas, "all_levels": ro.noise_levels}
 
 
 def _per_step(values, weight, steps, num_steps):
@@ -46,30 +60,68 @@ def _per_step(values, weight, steps, num_steps):
     return mean, jnp.sqrt(var)
 
 
-def clipped_loss(params, ref_params, mb: dict, mean_fn, options) -> tuple[jax.Array, dict]:
+def path_variance(mean, mean_old, std, patch_size: int):
+    """Measured `V` per token `[M, N]`: `mean_e (mu - mu_old)^2 / std^2` over each token's elements (0 where
+    std = 0); the per-sample V is its token mean."""
+    s = kernels._col(jnp.where(std > 0, std, 1.0), mean)
+    v_tok = patchify(jnp.square(mean - mean_old) / s**2, patch_size).mean(-1)
+    return jnp.where((std > 0)[:, None], v_tok, 0.0)
+
+
+def step_cost(kind: str, sigma, sigma_next, level, sigma_1):
+    """kappa = c_v^2 / std^2 (SPEC §4), same shape as `sigma`; inf where the step is deterministic."""
+    _, c_v, std = kernels.affine_coefficients(kind, sigma, sigma_next, level, sigma_1)
+    return jnp.where(std > 0, jnp.square(c_v) / jnp.where(std > 0, jnp.square(std), 1.0), jnp.inf)
+
+
+def effort_weights(kind: str, mb: dict):
+    """[M] `w_t = (1 / kappa_t) / mean_u (1 / kappa_u)`, u over the rollout's trained steps."""
+    sig, levels = mb["all_sigmas"], mb["all_levels"]
+    inv_all = 1.0 / step_cost(kind, sig[:-1], sig[1:], levels, mb["sigma_1"])
+    trained = levels > 0
+    mean_inv = jnp.sum(jnp.where(trained, inv_all, 0.0)) / jnp.maximum(trained.sum(), 1)
+    return (1.0 / step_cost(kind, mb["sigma"], mb["sigma_next"], mb["level"], mb["sigma_1"])) / mean_inv
+
+
+def clipped_loss(params, ref_params, mb: dict, mean_fn, options, lambda_control: bool = False) -> tuple[jax.Array, dict]:
     """-> (loss, aux) for `options` with fields clip_range, beta, ratio, kl_form, patch_size,
-    logprob_form, num_steps (module doc)."""
+    logprob_form, num_steps, kernel (module doc); `lambda_control` adds SPEC §4's (i)-(iv)."""
     if options.ratio not in RATIOS or options.kl_form not in KL_FORMS:
         raise ValueError(f"ratio={options.ratio!r} (one of {RATIOS}), kl_form={options.kl_form!r} (one of {KL_FORMS})")
-    mean, std = mean_fn(params, mb)
+    affine = options.kernel != "lc"
+    if lambda_control and not affine:
+        raise ValueError("lambda-controlled GRPO needs an affine kernel (sampler.kind sde or cps), not lc")
+    mean, std, v = mean_fn(params, mb)
     l_new = kernels.token_logprob(mb["x_next"], mean, std, options.patch_size, options.logprob_form)  # [M, N]
     w = mb["weight"]
     adv = mb["adv"]
+    v_tok = path_variance(mean, mb["mean_old"], std, options.patch_size)  # [M, N]
+    v_pair = v_tok.mean(-1)
     if options.ratio == "sample":
         log_ratio = (l_new.mean(-1) - mb["logp_old"].mean(-1))[:, None]  # [M, 1]
         adv = adv.mean(-1, keepdims=True)
+        v_ratio = v_pair[:, None]
     else:
         log_ratio = l_new - mb["logp_old"]  # [M, N]
         adv = jnp.broadcast_to(adv, log_ratio.shape)
-    ratio = jnp.exp(log_ratio)
+        v_ratio = v_tok
     eps = options.clip_range
+    budget = eps**2 * mean[0].size  # lambda D
+    v_step, _ = _per_step(v_pair, w, mb["step"], options.num_steps)
+    if lambda_control:
+        log_ratio = log_ratio + jax.lax.stop_gradient(v_ratio) / 2
+    ratio = jnp.exp(log_ratio)
     per_pair = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - eps, 1 + eps)).mean(-1)  # [M]
+    in_budget = jnp.ones_like(w)
+    if lambda_control:
+        in_budget = (jax.lax.stop_gradient(v_step)[mb["step"]] <= budget).astype(w.dtype)
+        per_pair = per_pair * effort_weights(options.kernel, mb) * in_budget
     total_w = jnp.maximum(w.sum(), 1.0)
     policy_loss = jnp.sum(w * per_pair) / total_w
 
     kl = jnp.zeros(())
     if options.beta > 0:
-        ref_mean, _ = mean_fn(ref_params, mb)
+        ref_mean, _, _ = mean_fn(ref_params, mb)
         ref_mean = jax.lax.stop_gradient(ref_mean)
         kl_std = std if options.kl_form == "exact" else std / jnp.sqrt(mb["sigma"] - mb["sigma_next"])
         kl_std = kernels._col(jnp.where(std > 0, kl_std, 1.0), mean)
@@ -77,10 +129,24 @@ def clipped_loss(params, ref_params, mb: dict, mean_fn, options) -> tuple[jax.Ar
         kl = jnp.sum(w * kl_pair) / total_w
     loss = policy_loss + options.beta * kl
 
+    if affine:  # the prediction from the kernel's coefficient and the velocity change
+        v_old = (mb["x"] - mb["x0_hat"]) / kernels._col(mb["sigma"], mb["x"])
+        kappa = step_cost(options.kernel, mb["sigma"], mb["sigma_next"], mb["level"], mb["sigma_1"])
+        v_pred = jnp.where(std > 0, kappa, 0.0) * jnp.mean(jnp.square(v - v_old), axis=(1, 2, 3))
+    else:
+        v_pred = jnp.zeros_like(v_pair)
     clipped = (jnp.abs(ratio - 1) > eps).mean(-1)
     sample_ratio = jnp.exp(log_ratio.mean(-1))
     ratio_mean, ratio_std = _per_step(sample_ratio, w, mb["step"], options.num_steps)
     aux = {"policy_loss": policy_loss, "kl": kl, "clipfrac": jnp.sum(w * clipped) / total_w,
            "approx_kl": jnp.sum(w * 0.5 * jnp.square(log_ratio).mean(-1)) / total_w,
-           "ratio_mean_per_step": ratio_mean, "ratio_std_per_step": ratio_std}
+           "ratio_mean_per_step": ratio_mean, "ratio_std_per_step": ratio_std,
+           "path_variance_per_step": v_step, "path_variance_pred_per_step": _per_step(v_pred, w, mb["step"], options.num_steps)[0],
+           "path_variance_budget": jnp.asarray(budget, jnp.float32),
+           "over_budget_fraction": jnp.sum(w * (1 - in_budget)) / total_w}
     return loss, aux
+
+
+def lambda_loss(params, ref_params, mb: dict, mean_fn, options):
+    """lambda-controlled GRPO (module doc): `clipped_loss` with the calibrated ratio, effort weights and budget."""
+    return clipped_loss(params, ref_params, mb, mean_fn, options, lambda_control=True)

@@ -23,20 +23,41 @@ def _exact(field: str) -> Callable:
     return reward
 
 
+def _learned_model(name: str = "shapes32_reward"):
+    """(apply(params, images, ids, mask) -> [B], params, tokenize(prompt rows) -> (ids, mask)) of a shipped reward."""
+    from flowrl_jax import assets
+    from flowrl_jax.models.text import tokenize
+
+    model, params, tokenizer, _ = assets.load_reward(name)
+    return (lambda p, x, i, m: model.apply({"params": p}, x, i, m)), params, \
+        (lambda rows: tokenize(tokenizer, [r["prompt"] for r in rows], model.max_len))
+
+
 def _learned() -> Callable:
     import jax
     import jax.numpy as jnp
 
-    from flowrl_jax import assets
-    from flowrl_jax.models.text import tokenize
-
-    model, params, tokenizer, _ = assets.load_reward("shapes32_reward")
-    apply = jax.jit(lambda p, x, i, m: model.apply({"params": p}, x, i, m))
+    apply, params, tokenize = _learned_model()
+    apply = jax.jit(apply)
 
     def reward(images, prompts):
-        ids, mask = tokenize(tokenizer, [p["prompt"] for p in prompts], model.max_len)
+        ids, mask = tokenize(prompts)
         return np.asarray(apply(params, jnp.asarray(images), jnp.asarray(ids), jnp.asarray(mask)))
     return reward
+
+
+def learned_gradient(place: Callable = lambda x: x) -> Callable:
+    """`(images [B, H, W, C] jax, prompt rows) -> d R_learned / d images` (jit-compiled); `place` puts the
+    host token arrays where the images are (e.g. `parallel.shard_batch` on a mesh)."""
+    import jax
+
+    apply, params, tokenize = _learned_model()
+    grad = jax.jit(jax.grad(lambda x, p, i, m: apply(p, x, i, m).sum()))
+
+    def gradient(images, prompts):
+        ids, mask = place(tokenize(prompts))
+        return grad(images, params, ids, mask)
+    return gradient
 
 
 REWARDS: dict[str, Callable[[], Callable]] = {

@@ -1,0 +1,249 @@
+"""The credit schemes of SPEC.md §3 (stepwise, turning points, spatial, adaptive), the AdaGRPO curriculum
+(§5), lambda control (§4) and the batched ODE completions, against hand-written cases, NumPy and Monte Carlo."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ml_collections import ConfigDict
+
+from flowrl_jax import credit as credit_lib
+from flowrl_jax.credit import spatial, turning_point
+from flowrl_jax.data import curriculum
+from flowrl_jax.objectives import grpo
+from flowrl_jax.sampling import kernels, rollout, schedule
+from flowrl_jax.train import make_completion_fn
+from tests.conftest import gaussian_velocity
+
+GROUPS = np.array([0, 0, 0, 1, 1, 1])
+
+
+def _ro(num_steps=4, window=None, b=6, n=4):
+    levels = rollout.noise_levels(num_steps, 0.7, window)
+    return rollout.Rollout(states=jnp.zeros((b, num_steps, 4, 4, 3)), next_states=None, means=None, stds=None,
+                           logp=jnp.zeros((b, num_steps, n)), x0_hat=None, sigmas=schedule.sigmas(num_steps, 1.0), noise_levels=levels)
+
+
+def _apply(names, extras, rewards, options=None, state=None, global_std=True):
+    credit = credit_lib.build(names, ConfigDict(options or {}), global_std=global_std)
+    inputs = {"rollout": extras.pop("rollout"), "rewards": jnp.asarray(rewards, jnp.float32), "group_ids": jnp.asarray(GROUPS),
+              "num_groups": 2, **extras}
+    return credit.apply(inputs, credit.init() if state is None else state)
+
+
+def _group_norm(x, group_std):
+    out = np.zeros_like(x)
+    for g in np.unique(GROUPS):
+        sel = GROUPS == g
+        std = x[sel].std() if group_std else x.std()
+        out[sel] = (x[sel] - x[sel].mean()) / (std + 1e-4)
+    return np.clip(out, -5, 5)
+
+
+# ------------------------------------------------------------------------------------------ stepwise
+def test_stepwise_is_the_per_step_group_normalized_tweedie_gain():
+    r = np.random.default_rng(0).uniform(size=(6, 5)).astype(np.float32)  # rewards of x0_hat at 4 steps + final
+    adv, _ = _apply(("stepwise",), {"rollout": _ro(), "stepwise": {"step_rewards": jnp.asarray(r)}}, r[:, -1])
+    assert adv.shape == (6, 4, 1)
+    for t in range(4):
+        np.testing.assert_allclose(adv[:, t, 0], _group_norm(r[:, t + 1] - r[:, t], group_std=False), rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------- turning points
+def test_turning_point_rules_on_hand_written_sequences():
+    rows = {  # R_0, R_1, R_2 (ODE completions), R_n (final) -> expected turning points at k = 0, 1, 2
+        "none": ([0.1, 0.3, 0.2], 0.25, [False, False, False]),
+        "good": ([0.5, 0.3, 0.6], 0.9, [False, True, False]),   # dips, then turns toward a better end
+        "bad": ([0.5, 0.7, 0.4], 0.1, [False, True, False]),    # rises, then turns toward a worse end
+        "initial": ([0.1, 0.4, 0.3], 0.5, [True, False, False]),  # the first step already heads to R_n
+        "flat_end": ([0.2, 0.2, 0.2], 0.2, [False, False, False]),
+    }
+    rc = jnp.array([v[0] for v in rows.values()])
+    rn = jnp.array([v[1] for v in rows.values()])
+    np.testing.assert_array_equal(turning_point.turning_points(rc, rn), [v[2] for v in rows.values()])
+
+
+def test_balanced_bonus_keeps_equal_numbers_of_each_sign_largest_global_trend_first():
+    rc = jnp.array([[0.5, 0.3, 0.6], [0.5, 0.4, 0.55], [0.5, 0.7, 0.4]])  # good (D_g .4), good (D_g .2), bad (D_g -.4)
+    rn = jnp.array([0.9, 0.7, 0.1])
+    r_tilde, kept = turning_point.step_rewards(rc, rn)
+    np.testing.assert_array_equal(kept, [[False, True, False], [False, False, False], [False, True, False]])
+    d = np.diff(np.concatenate([np.asarray(rc), np.asarray(rn)[:, None]], 1), axis=1)
+    expected = d.copy()
+    expected[0, 1], expected[2, 1] = 0.9 - 0.3, 0.1 - 0.7  # R_n - R_k at the kept turning points
+    np.testing.assert_allclose(r_tilde, expected, atol=1e-6)  # the surplus good one fell back to d_k
+
+
+def test_turning_point_advantage_sits_on_the_trained_steps_group_normalized():
+    ro = _ro(num_steps=5, window=(1, 3))
+    rc = np.random.default_rng(1).uniform(size=(6, 3)).astype(np.float32)
+    rn = np.random.default_rng(2).uniform(size=6).astype(np.float32)
+    adv, _ = _apply(("turning_point",), {"rollout": ro, "turning_point": {"completion_rewards": jnp.asarray(rc)}}, rn)
+    r_tilde, _ = turning_point.step_rewards(jnp.asarray(rc), jnp.asarray(rn))
+    assert adv.shape == (6, 5, 1)
+    np.testing.assert_array_equal(adv[:, [0, 4], 0], 0.0)
+    for k, t in enumerate([1, 2, 3]):
+        np.testing.assert_allclose(adv[:, t, 0], _group_norm(np.asarray(r_tilde[:, k]), group_std=True), rtol=1e-4, atol=1e-5)
+
+
+class _FakePolicy:
+    """What make_completion_fn needs of train.Policy: a velocity from trainable 'params' (a scalar here)."""
+    def __init__(self, base):
+        self.base = base
+
+    def variables(self, trainable, frozen_dit):
+        return trainable
+
+    def velocity_fn(self, theta):
+        return lambda x, sigma, cond: theta * self.base(x, sigma) + 0.0 * cond.sum()
+
+
+def test_ode_completions_equal_the_ode_sampler_from_each_state():
+    config = ConfigDict({"sampler": {"num_steps": 6, "shift": 1.0, "cfg": 1.0}})
+    complete = jax.jit(make_completion_fn(_FakePolicy(gaussian_velocity(0.3, 0.6)), config), static_argnums=5)
+    sigmas = schedule.sigmas(6, 1.0)
+    states = jax.random.normal(jax.random.PRNGKey(0), (3, 2, 4, 4, 2))
+    steps = (1, 4)
+    cond = jnp.zeros((3, 1))
+    out = complete(0.9, {"dit": None}, cond, cond, states, steps)
+    velocity = lambda x, s: 0.9 * gaussian_velocity(0.3, 0.6)(x, s)  # noqa: E731
+    for j, t in enumerate(steps):
+        np.testing.assert_allclose(out[:, j], rollout.sample(velocity, states[:, j], sigmas[t:]), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- spatial
+def test_token_norms_are_the_l2_norm_over_each_patch():
+    g = jax.random.normal(jax.random.PRNGKey(3), (2, 4, 4, 3))
+    c = spatial.token_norms(g, 2)
+    np.testing.assert_allclose(c[1, 1], np.linalg.norm(np.asarray(g)[1, 0:2, 2:4]), rtol=1e-5)  # token (row 0, col 1)
+
+
+def test_mad_weights_average_one_resist_outliers_and_go_uniform_at_high_temperature():
+    c = jnp.asarray(np.random.default_rng(0).lognormal(0.0, 0.5, size=(1, 64)), jnp.float32)
+    w = spatial.mad_weights(c, tau=2.0)
+    np.testing.assert_allclose(w.mean(-1), 1.0, rtol=1e-5)
+    assert float(w.std()) > 0.1
+    np.testing.assert_allclose(spatial.mad_weights(c, tau=1e6), 1.0, atol=1e-4)
+
+    def zscore_weights(x, tau=2.0):  # the alternative SPEC rejects: mean/std normalization
+        z = (x - x.mean(-1, keepdims=True)) / (x.std(-1, keepdims=True) + 1e-6)
+        return x.shape[-1] * jax.nn.softmax(z / tau, -1)
+
+    outlier = c.at[0, 5].set(1000.0)
+    others = np.arange(64) != 5
+    mad_change = np.abs(np.asarray(spatial.mad_weights(outlier) / w) - 1)[0, others].max()  # relative change
+    z_change = np.abs(np.asarray(zscore_weights(outlier) / zscore_weights(c)) - 1)[0, others].max()
+    # bounded: the clipped outlier's weight is at most e^(z_clip / tau) = 4.5 median shares, of 64 tokens
+    assert mad_change < 0.1 and z_change > 0.5, (mad_change, z_change)
+
+
+def test_spatial_multiplies_the_incoming_advantage_per_token():
+    ro = _ro(n=4)
+    grad = jax.random.normal(jax.random.PRNGKey(4), (6, 4, 4, 3))
+    r = np.array([0.1, 0.5, 0.9, 0.2, 0.3, 0.7], np.float32)
+    adv, _ = _apply(("uniform", "spatial"), {"rollout": ro, "spatial": {"gradient": grad}}, r, {"spatial": {"tau": 1.5}})
+    w = spatial.mad_weights(spatial.token_norms(grad, 2), tau=1.5)
+    a = _group_norm(r, group_std=False)
+    assert adv.shape == (6, 4, 4)
+    np.testing.assert_allclose(adv, np.broadcast_to(a[:, None, None] * np.asarray(w)[:, None, :], (6, 4, 4)), rtol=1e-4, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ adaptive
+def test_adaptive_fusion_alpha_one_is_group_advantages_and_the_global_baseline_is_an_ema():
+    r1 = np.array([0.1, 0.5, 0.9, 0.2, 0.3, 0.7], np.float32)
+    adv1, _ = _apply(("uniform", "adaptive"), {"rollout": _ro()}, r1, {"adaptive": {"alpha": 1.0}})
+    np.testing.assert_allclose(adv1[:, 0, 0], _group_norm(r1, group_std=False), rtol=1e-5)
+
+    opts = {"adaptive": {"alpha": 0.0, "decay": 0.5}}
+    adv1, state = _apply(("uniform", "adaptive"), {"rollout": _ro()}, r1, opts)
+    np.testing.assert_allclose(adv1[:, 0, 0], (r1 - r1.mean()) / (r1.std() + 1e-4), rtol=1e-4)
+    r2 = r1 + 0.3  # the policy improved: the batch beats the baseline on average
+    adv2, state = _apply(("uniform", "adaptive"), {"rollout": _ro()}, r2, opts, state)
+    mean, var = 0.5 * r1.mean() + 0.5 * r2.mean(), 0.5 * r1.var() + 0.5 * r2.var()
+    np.testing.assert_allclose(adv2[:, 0, 0], (r2 - r1.mean()) / (np.sqrt(r1.var()) + 1e-4), rtol=1e-4)
+    np.testing.assert_allclose([state["adaptive"]["mean"], state["adaptive"]["var"]], [mean, var], rtol=1e-5)
+    assert float(adv2.mean()) > 0.5 and int(state["adaptive"]["count"]) == 2
+
+
+def test_curriculum_stops_drawing_always_and_never_solved_prompts_except_to_explore():
+    rng = np.random.default_rng(0)
+    success = np.array([1.0] * 3 + [0.0] * 3 + [0.5] * 4)  # prompts 0-2 always solved, 3-5 never, 6-9 half the time
+    state = curriculum.init(10)
+    for _ in range(40):
+        idx = curriculum.draw(state, 8, rng)
+        state = curriculum.update(state, idx, (rng.random((8, 8)) < success[idx, None]).astype(np.float32))
+    np.testing.assert_array_equal(curriculum.probabilities(state)[:6], 0.0)
+    drawn = curriculum.draw(state, 20000, np.random.default_rng(1))
+    solved_or_never = np.isin(drawn, np.arange(6)).mean()
+    np.testing.assert_allclose(solved_or_never, 0.1 * 6 / 10, atol=0.01)  # exploration only: explore x 6/10
+    assert np.all(state["count"] > 0)
+
+
+# ----------------------------------------------------------------------------------- lambda control
+def test_log_ratio_mean_and_variance_follow_the_path_variance():
+    # x' = mu_old + std z; log rho = mean_e [l(x'; mu_theta) - l(x'; mu_old)]: E = -V/2, Var = V/D (SPEC §4)
+    k, shape, std = 4000, (8, 8, 3), 0.3
+    mu_old = jax.random.normal(jax.random.PRNGKey(0), (1,) + shape)
+    dmu = 0.7 * std * jax.random.normal(jax.random.PRNGKey(1), (1,) + shape)
+    z = jax.random.normal(jax.random.PRNGKey(2), (k,) + shape)
+    x_next = mu_old + std * z
+    s = jnp.full((k,), std)
+    log_ratio = (kernels.token_logprob(x_next, mu_old + dmu, s, 2) - kernels.token_logprob(x_next, jnp.broadcast_to(mu_old, x_next.shape), s, 2)).mean(-1)
+    v = float(grpo.path_variance(mu_old + dmu, mu_old, jnp.array([std]), 2).mean())
+    np.testing.assert_allclose(v, float(jnp.mean(dmu**2)) / std**2, rtol=1e-5)
+    np.testing.assert_allclose(float(log_ratio.mean()), -v / 2, rtol=0.03)
+    np.testing.assert_allclose(float(log_ratio.var()), v / np.prod(shape), rtol=0.1)
+
+
+@pytest.mark.parametrize("kind", ["sde", "cps"])
+def test_step_cost_uses_the_jacobian_of_the_kernel_mean_in_v(kind):
+    sigmas = schedule.sigmas(10, 3.0)
+    x = jnp.full((1, 1, 1, 1), 0.4)
+    for i in (0, 4, 8):
+        def mean_of(v):
+            return kernels.transition(kind, lambda y, s: v, x, sigmas[i], sigmas[i + 1], 0.7, sigmas[1])[0]
+
+        c = jax.jacfwd(mean_of)(jnp.full((1, 1, 1, 1), 0.2)).reshape(())
+        std = kernels.transition(kind, lambda y, s: x, x, sigmas[i], sigmas[i + 1], 0.7, sigmas[1])[1][0]
+        np.testing.assert_allclose(grpo.step_cost(kind, sigmas[i], sigmas[i + 1], 0.7, sigmas[1]), c**2 / std**2, rtol=1e-4)
+
+
+def _lambda_setup(b=6):
+    base = gaussian_velocity(0.3, 0.6)
+    velocity_of = lambda theta: (lambda x, s: theta * base(x, s))  # noqa: E731
+    sigmas, levels = schedule.sigmas(6, 1.0), rollout.noise_levels(6, 0.7, (0, 5))
+    ro = rollout.rollout(velocity_of(1.0), jax.random.normal(jax.random.PRNGKey(0), (b, 4, 4, 2)), sigmas, levels,
+                         jax.random.PRNGKey(1), "sde", patch_size=2)
+
+    def mean_fn(theta, mb):
+        return kernels.transition("sde", velocity_of(theta), mb["x"], mb["sigma"], mb["sigma_next"], mb["level"], mb["sigma_1"])
+
+    rows, steps = (a.ravel().astype(np.int32) for a in np.meshgrid(np.arange(b), np.arange(5), indexing="ij"))
+    adv = jax.random.normal(jax.random.PRNGKey(2), (b, 1, 1))
+    mb = grpo.gather_pairs(ro, adv, jnp.zeros((b, 1)), jnp.zeros((b, 1)), rows, steps, np.ones(len(rows), np.float32))
+    options = ConfigDict(dict(clip_range=0.05, beta=0.0, ratio="sample", kl_form="exact", patch_size=2,
+                              logprob_form="gaussian", num_steps=6, kernel="sde"))
+    return mb, mean_fn, options
+
+
+def test_path_variance_prediction_matches_measurement_and_lambda_control_is_on_policy_neutral():
+    mb, mean_fn, options = _lambda_setup()
+    _, aux = grpo.clipped_loss(1.02, 1.0, mb, mean_fn, options)
+    measured, predicted = np.asarray(aux["path_variance_per_step"])[:5], np.asarray(aux["path_variance_pred_per_step"])[:5]
+    assert np.all(measured > 0)
+    np.testing.assert_allclose(predicted, measured, rtol=2e-3)
+    loss_l, aux_l = grpo.lambda_loss(1.0, 1.0, mb, mean_fn, options)  # on policy: V = 0, calibrated ratio 1
+    np.testing.assert_allclose(aux_l["ratio_mean_per_step"][:5], 1.0, atol=2e-5)
+    w = grpo.effort_weights("sde", mb)
+    np.testing.assert_allclose(float(w.mean()), 1.0, rtol=1e-5)  # every trained step equally represented
+    np.testing.assert_allclose(loss_l, -np.mean(np.asarray(mb["adv"])[:, 0] * np.asarray(w)), rtol=1e-4)
+
+
+def test_lambda_budget_drops_the_gradient_of_steps_over_budget():
+    mb, mean_fn, options = _lambda_setup()
+    grad = lambda theta, opts: jax.grad(lambda th: grpo.lambda_loss(th, 1.0, mb, mean_fn, opts)[0])(theta)  # noqa: E731
+    _, aux = grpo.lambda_loss(2.5, 1.0, mb, mean_fn, options)  # every step's V_t over eps^2 D = 0.08
+    assert float(aux["over_budget_fraction"]) == 1.0 and float(grad(2.5, options)) == 0.0
+    _, aux = grpo.lambda_loss(1.8, 1.0, mb, mean_fn, options)  # only the first step within budget (V_0 ~ 0.05)
+    v = np.asarray(aux["path_variance_per_step"])[:5]
+    assert v[0] < 0.08 < v[1:].min() and float(aux["over_budget_fraction"]) == pytest.approx(0.8)
+    assert abs(float(grad(1.8, options))) > 0
