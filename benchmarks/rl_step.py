@@ -59,8 +59,9 @@ def main() -> None:
     reward, _ = reward_fn(images, prompts)
     reward_s = time.perf_counter() - t0
     gids = np.repeat(np.arange(t_cfg.prompts_per_iteration, dtype=np.int32), t_cfg.group_size)
+    extras = credit.prepare(steps.context(steps.state, ro, cond, null, prompts, reward_fn))
     adv, _, keep = steps.credit(ro, parallel.shard_batch(reward, mesh), parallel.shard_batch(gids, mesh),
-                                t_cfg.prompts_per_iteration, steps.state["credit"])
+                                t_cfg.prompts_per_iteration, steps.state["credit"], extras)
     rows, step_ids, weight = next(train.minibatches(np.ones(batch, bool), steps.trained_steps, steps.minibatch_size,
                                                     np.random.default_rng(0)))
     state = steps.state

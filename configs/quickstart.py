@@ -4,7 +4,7 @@
 
 Loads the shipped `shapes32` base model, prints its GenEval-style table on test.jsonl (ODE 20 steps,
 CFG 3, one sample per prompt), runs Flow-GRPO against the exact evaluator's partial-credit score and
-prints the table again beside the first. Flow-GRPO's recipe (clip 1e-4, beta 0.04,
+prints the table again beside the first. `config_lib.embedded_train_config()`: Flow-GRPO's recipe (clip 1e-4, beta 0.04,
 LoRA rank 32 on the joint-attention projections at lr 3e-4) with the changes a 10-minute CPU budget needs:
 an SDE window on the first two of the 10 steps (MixGRPO/DanceGRPO: the layout is decided at high noise,
 and only window steps cost an update) and shared initial noise per group (DanceGRPO).
@@ -17,10 +17,6 @@ from flowrl_jax import config_lib
 
 
 def get_config(arg: str = ""):
-    config = config_lib.train_config()
-    config.sampler.update(sde_window=(0, 2), same_noise_per_group=True)
-    config.train.update(iterations=36, prompts_per_iteration=8, group_size=12, minibatches=2, lr=3e-4, lora_rank=32)
-    config.eval.update(every=0, per_category=0, samples_per_prompt=1, batch_size=210)
-    config.checkpoint.update(every=8)
+    config = config_lib.embedded_train_config()
     config.lock()
     return config

@@ -64,7 +64,7 @@ def train_config() -> ConfigDict:
                        same_noise_per_group=False, logprob_form="gaussian")  # sde_window () = every step
     cfg.train = dict(iterations=200, prompts_per_iteration=8, group_size=12, num_inner_epochs=1, minibatches=4,
                      lr=3e-4, weight_decay=1e-4, grad_clip=1.0, ema_decay=0.9, lora_rank=0,
-                     rewards=(("shapes_score", 1.0),), time_budget_s=0.0)  # time budget: stop after this much training wall time (0 = none)
+                     rewards=(("shapes_score", 1.0),), time_budget_s=0.0)  # stop after this much training wall time, not counting the first (compiling) iteration; 0 = none
     cfg.advantage = dict(global_std=True, clip=5.0)
     cfg.credit = ("uniform",)
     cfg.credit_options = ConfigDict()  # per scheme, e.g. {"spatial": {"tau": 2.0}}; defaults in each credit module
@@ -72,4 +72,17 @@ def train_config() -> ConfigDict:
     cfg.objective = dict(name="grpo", clip_range=1e-4, beta=0.04, ratio="sample", kl_form="exact")
     cfg.eval = dict(every=50, at_start=True, per_category=0, samples_per_prompt=1, batch_size=210, num_steps=20, cfg=3.0, shift=1.0)
     cfg.checkpoint = dict(every=25, keep=3)
+    return cfg
+
+
+def embedded_train_config() -> ConfigDict:
+    """`train_config()` sized for the embedded world on a 2-core CPU (what the quickstart and every credit
+    scheme's config start from, so that `benchmarks/compare_methods.py` compares like with like): LoRA
+    rank 32 at lr 3e-4, an SDE window on the first two of the 10 steps, shared initial noise per group,
+    8 prompts x 12 images per iteration, evals on the full test set with one sample per prompt."""
+    cfg = train_config()
+    cfg.sampler.update(sde_window=(0, 2), same_noise_per_group=True)
+    cfg.train.update(iterations=36, prompts_per_iteration=8, group_size=12, minibatches=2, lr=3e-4, lora_rank=32)
+    cfg.eval.update(every=0, per_category=0, samples_per_prompt=1, batch_size=210)
+    cfg.checkpoint.update(every=8)
     return cfg

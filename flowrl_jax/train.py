@@ -271,7 +271,7 @@ class Steps:
 
         def reward_gradient(images, prompts):
             if self._reward_gradient is None:  # loaded on first use: only spatial credit needs it
-                self._reward_gradient = rewards_lib.learned_gradient(lambda a: parallel.shard_batch(a, self.mesh))
+                self._reward_gradient = rewards_lib.learned_gradient(self.mesh)
             return self._reward_gradient(images, prompts)
 
         return Context(ro, prompts_local, reward_fn, self.mesh, complete, reward_gradient)
@@ -319,7 +319,7 @@ def run(config, workdir: str | None) -> dict:
         ckpt.close()
         raise ConfigError(f"cannot restore the latest checkpoint in {ckpt.directory}: {str(e).splitlines()[0]} "
                           "(move the damaged step folder away to resume from the one before)") from None
-    history = {"evals": [], "wall_s": 0.0}
+    history = {"evals": [], "wall_s": 0.0, "first_iteration_s": None}  # the first iteration includes compiling
     if restored is not None:
         state, history = restored, {**history, **meta.get("history", {})}
         print(f"resumed from step {int(state['step'])} in {ckpt.directory}")
@@ -395,6 +395,8 @@ def run(config, workdir: str | None) -> dict:
                 _finite_or_stop({k: v for k, v in stats.items() if k in ("loss", "kl", "grad_norm")}, it + 1, "the", ckpt)
                 t3 = time.time()
                 history["wall_s"] += t3 - t0
+                if history["first_iteration_s"] is None:
+                    history["first_iteration_s"] = t3 - t0
 
                 done = it + 1
                 scalars = {"reward": float(reward.mean()), "reward_std": float(reward.std()), "kept_fraction": float(keep.mean()),
@@ -408,7 +410,7 @@ def run(config, workdir: str | None) -> dict:
                 writer.scalars(done, scalars)
                 bar.set_postfix(reward=f"{scalars['reward']:.3f}", clipfrac=f"{scalars.get('clipfrac', 0):.3f}",
                                 kl=f"{scalars.get('kl', 0):.2e}")
-                out_of_time = bool(t_cfg.time_budget_s) and history["wall_s"] >= t_cfg.time_budget_s
+                out_of_time = bool(t_cfg.time_budget_s) and history["wall_s"] - history["first_iteration_s"] >= t_cfg.time_budget_s
                 last = done == t_cfg.iterations or out_of_time
                 if (e_cfg.every and done % e_cfg.every == 0) or last:
                     run_eval(done)
@@ -425,7 +427,8 @@ def run(config, workdir: str | None) -> dict:
     finally:
         ckpt.close()
         writer.close()
-    result = {"step": int(state["step"]), "evals": history["evals"], "stopped": stopped}
+    result = {"step": int(state["step"]), "evals": history["evals"], "stopped": stopped,
+              "wall_s": history["wall_s"], "first_iteration_s": history["first_iteration_s"]}
     if history["evals"]:
         with open(os.path.join(workdir, "eval.json"), "w") as f:
             json.dump({"base": base_info.get("name"), "evals": history["evals"]}, f, indent=2)

@@ -5,9 +5,10 @@
 Data (`rewards/learned.make_reward_data`): rendered scenes for their own or another prompt,
 corrupted scenes, and samples of the base model (`config.reward.base`) for train prompts at several
 CFG scales (so sample quality varies), all labelled by `shapes_eval.evaluate`. Held out: base-model
-samples for the *test* prompts with other seeds, on which the Pearson correlation with the exact
-score is reported (bar: >= 0.8). With `reward.export`, writes the shipped asset
-`flowrl_jax/assets/<export>/` (params, tokenizer, model.json, a 256-sample held-out set `heldout.npz`
+samples with other seeds, for the *test* prompts (compositions the reward never saw generated) and
+for the train prompts (the RL loop's distribution), on which the Pearson correlations with the exact
+score are reported (bar: >= 0.8). With `reward.export`, writes the shipped asset
+`flowrl_jax/assets/<export>/` (params, tokenizer, model.json, 256 held-out samples of each kind in `heldout.npz`
 for the CI test, MANIFEST.json).
 """
 from __future__ import annotations
@@ -44,25 +45,20 @@ def generate(pipe, params, prompts: list[dict], n: int, samplers: dict, seed: in
     return np.concatenate(images), rows
 
 
-def cached_base_samples(pipe, params, train, test, cfg, seed: int, workdir: str):
-    """Base-model samples for train and held-out test prompts, cached in `workdir/base_samples.npz`
-    (they are most of the job's time; a rerun with the same base, counts, CFGs and seed reuses them)."""
-    key = json.dumps([str(cfg.base), int(cfg.generated_train), int(cfg.generated_test), list(cfg.cfgs), int(seed)])
-    path = os.path.join(workdir, "base_samples.npz")
+def cached_base_samples(pipe, params, prompts: list[dict], n: int, cfg, seed: int, path: str):
+    """`generate(...)` cached in `path` (.npz, uint8 pixels): base-model sampling is most of the job's
+    time, and a rerun with the same base, count, CFGs and seed reuses it. -> (images [n, H, W, 3], rows)."""
+    key = json.dumps([str(cfg.base), int(n), list(cfg.cfgs), int(seed)])
+    by_prompt = {p["prompt"]: p for p in prompts}
     if os.path.exists(path):
         cached = np.load(path)
         if str(cached["key"]) == key:
-            by_prompt = {p["prompt"]: p for p in train + test}
-            return tuple((cached[f"{s}_images"].astype(np.float32) / 127.5 - 1.0, [by_prompt[str(q)] for q in cached[f"{s}_prompts"]])
-                         for s in ("train", "test"))
+            return cached["images"].astype(np.float32) / 127.5 - 1.0, [by_prompt[str(q)] for q in cached["prompts"]]
     samplers = {c: evaluate.make_sampler(pipe, 20, c, 1.0) for c in cfg.cfgs}
-    out = (generate(pipe, params, train, cfg.generated_train, samplers, seed=seed + 1),
-           generate(pipe, params, test, cfg.generated_test, samplers, seed=seed + 2))
-    os.makedirs(workdir, exist_ok=True)
-    np.savez_compressed(path, key=key, **{f"{s}_{f}": v for s, (images, rows) in zip(("train", "test"), out)
-                                          for f, v in (("images", metrics.to_uint8(images)), ("prompts", np.array([r["prompt"] for r in rows])))})
-    # the cache holds uint8 pixels: use the same quantized images now as on a rerun
-    return tuple((metrics.to_uint8(images).astype(np.float32) / 127.5 - 1.0, rows) for images, rows in out)
+    images, rows = generate(pipe, params, prompts, n, samplers, seed=seed)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    np.savez_compressed(path, key=key, images=metrics.to_uint8(images), prompts=np.array([r["prompt"] for r in rows]))
+    return metrics.to_uint8(images).astype(np.float32) / 127.5 - 1.0, rows  # the same quantized pixels as a rerun
 
 
 def reward_loss(pred, target, kind: str = "bce"):
@@ -87,11 +83,17 @@ def run(config, workdir: str | None) -> dict:
     train, test = shapes.load_prompts("train"), shapes.load_prompts("test")
     rng = np.random.default_rng(config.seed)
 
-    gen_train, gen_test = cached_base_samples(pipe, base_params, train, test, cfg, config.seed, workdir)
+    def samples(name, prompts, n, seed):
+        return cached_base_samples(pipe, base_params, prompts, n, cfg, seed, os.path.join(workdir, f"base_samples_{name}.npz"))
+
+    gen_train = samples("train", train, cfg.generated_train, config.seed + 1)
     data = learned.make_reward_data(train + test, cfg.rendered, rng, pipe.dit.sample_size, generated=gen_train)
-    held = learned.make_reward_data(test, 0, rng, generated=gen_test)
+    # held out: new samples for the test prompts (unseen compositions) and, with other seeds, for train prompts
+    held = learned.make_reward_data(test, 0, rng, generated=samples("test", test, cfg.generated_test, config.seed + 2))
+    held_train = learned.make_reward_data(train, 0, rng, generated=samples("heldout_train", train, cfg.generated_test, config.seed + 3))
     ids, mask = pipe.tokenize(data["prompts"])
     held_ids, held_mask = pipe.tokenize(held["prompts"])
+    held_train_ids, held_train_mask = pipe.tokenize(held_train["prompts"])
 
     model = learned.LearnedReward(vocab_size=len(pipe.tokenizer), width=cfg.width, heads=cfg.heads, max_len=pipe.text.max_len)
     params = model.init(jax.random.PRNGKey(config.seed), data["images"][:2], ids[:2], mask[:2])["params"]
@@ -124,11 +126,14 @@ def run(config, workdir: str | None) -> dict:
             writer.scalars(i + 1, {"reward/loss": float(loss)})
         if (i + 1) % 1000 == 0 or i + 1 == cfg.steps:
             r = pearson(predict_all(params, held["images"], held_ids, held_mask), held["score"])
-            writer.scalars(i + 1, {"reward/pearson_heldout": r})
-            tqdm.write(f"step {i + 1}: held-out Pearson {r:.3f}")
+            r_train = pearson(predict_all(params, held_train["images"], held_train_ids, held_train_mask), held_train["score"])
+            writer.scalars(i + 1, {"reward/pearson_heldout": r, "reward/pearson_heldout_train_prompts": r_train})
+            tqdm.write(f"step {i + 1}: held-out Pearson {r:.3f} (test prompts), {r_train:.3f} (train prompts, new samples)")
 
     pred_held = predict_all(params, held["images"], held_ids, held_mask)
+    pred_held_train = predict_all(params, held_train["images"], held_train_ids, held_train_mask)
     result = {"pearson_heldout_base_samples": pearson(pred_held, held["score"]), "n_heldout": int(len(pred_held)),
+              "pearson_heldout_base_samples_train_prompts": pearson(pred_held_train, held_train["score"]),
               "n_train": int(n), "train_sources": {s: int((data["source"] == s).sum()) for s in np.unique(data["source"])},
               "mse_heldout": float(np.mean((pred_held - held["score"]) ** 2)), "base": info["name"]}
     writer.close()
@@ -144,9 +149,11 @@ def run(config, workdir: str | None) -> dict:
             json.dump({"reward": {"vocab_size": model.vocab_size, "width": model.width, "heads": model.heads, "max_len": model.max_len}}, f, indent=2)
         pipe.tokenizer.save_pretrained(os.path.join(folder, "tokenizer"))
         checkpoint.save_params(os.path.join(folder, "params"), params)
-        keep = np.random.default_rng(0).permutation(len(held["score"]))[:256]
-        np.savez_compressed(os.path.join(folder, "heldout.npz"), images=metrics.to_uint8(held["images"][keep]),
-                            prompts=np.array(held["prompts"])[keep])
+        keep = [np.random.default_rng(0).permutation(len(h["score"]))[:256] for h in (held, held_train)]
+        np.savez_compressed(os.path.join(folder, "heldout.npz"),
+                            images=metrics.to_uint8(np.concatenate([held["images"][keep[0]], held_train["images"][keep[1]]])),
+                            prompts=np.array(held["prompts"])[keep[0]].tolist() + np.array(held_train["prompts"])[keep[1]].tolist(),
+                            split=np.array(["test_prompts"] * len(keep[0]) + ["train_prompts"] * len(keep[1])))
         assets.write_manifest(folder, {"name": cfg.export, "config": cfg.to_dict(), **result})
         print(f"exported {folder}")
     return result

@@ -151,3 +151,30 @@ def test_eight_device_run_agrees_with_one_device(base, tmp_path, monkeypatch):
     diffs = np.concatenate([np.abs(np.asarray(a) - np.asarray(b)).ravel()
                             for a, b in zip(jax.tree_util.tree_leaves(eight["params"]), jax.tree_util.tree_leaves(one["params"]))])
     assert diffs.max() <= 2 * TINY["train.lr"] and np.mean(diffs > 1e-5) < 0.005
+
+
+def _brightness_reward(monkeypatch):
+    """A reward with spread even for an untrained base (mean pixel value), so advantages are non-zero."""
+    monkeypatch.setitem(rewards.REWARDS, "shapes_score", lambda: (lambda images, prompts: np.asarray(images).mean(axis=(1, 2, 3))))
+
+
+def test_stepwise_adaptive_curriculum_and_lambda_control_run_together(base, tmp_path, monkeypatch):
+    _brightness_reward(monkeypatch)
+    out = _run(base, tmp_path, **{"train.iterations": 2, "credit": ("stepwise", "adaptive"), "curriculum.enabled": True,
+                                  "objective.name": "lambda_grpo", "sampler.sde_window": (0, 2)})
+    assert out["step"] == 2
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"reward"' in line]
+    assert {"path_variance/step_0", "path_variance_pred/step_1", "path_variance_budget", "over_budget_fraction"} <= set(rows[-1])
+    assert rows[-1]["updates"] > 0 and rows[-1]["path_variance/step_0"] > 0
+    state = _state(str(tmp_path))
+    assert int(state["credit"]["adaptive"]["count"]) == 2
+    assert int(np.asarray(state["curriculum"]["count"]).sum()) == 2 * TINY["train.prompts_per_iteration"]
+
+
+def test_turning_points_compose_with_spatial_credit_and_draw_credit_maps(base, tmp_path, monkeypatch):
+    _brightness_reward(monkeypatch)
+    out = _run(base, tmp_path, **{"train.iterations": 2, "credit": ("turning_point", "spatial"), "objective.ratio": "token"})
+    assert out["step"] == 2
+    assert os.path.isfile(tmp_path / "credit_maps_000001.png") and os.path.isfile(tmp_path / "credit_maps_000002.png")
+    with pytest.raises(ConfigError, match="objective.ratio=token"):
+        _run(base, tmp_path / "bad", **{"credit": ("uniform", "spatial")})

@@ -46,12 +46,18 @@ def _learned() -> Callable:
     return reward
 
 
-def learned_gradient(place: Callable = lambda x: x) -> Callable:
-    """`(images [B, H, W, C] jax, prompt rows) -> d R_learned / d images` (jit-compiled); `place` puts the
-    host token arrays where the images are (e.g. `parallel.shard_batch` on a mesh)."""
+def learned_gradient(mesh=None) -> Callable:
+    """`(images [B, H, W, C] jax, prompt rows) -> d R_learned / d images [B, H, W, C]` (jit-compiled). With a
+    `mesh`, the reward's params are replicated on it and the prompt tokens sharded like the images' batch."""
     import jax
 
     apply, params, tokenize = _learned_model()
+    place = lambda x: x  # noqa: E731
+    if mesh is not None:
+        from flowrl_jax import parallel
+
+        params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        place = lambda x: parallel.shard_batch(x, mesh)  # noqa: E731
     grad = jax.jit(jax.grad(lambda x, p, i, m: apply(p, x, i, m).sum()))
 
     def gradient(images, prompts):

@@ -1,0 +1,17 @@
+"""AdaGRPO (SPEC.md §3 `adaptive`, §5): `python -m flowrl_jax.main --config configs/adagrpo.py --workdir workdirs/adagrpo`.
+
+The online prompt curriculum (per-prompt proficiency EMA in the checkpointed train state, band-filtered
+sampling with exploration) and cross-level advantage fusion `alpha A_group + (1 - alpha) A_global`
+with an EMA global baseline. Budget and sampler: `config_lib.embedded_train_config()`.
+"""
+from flowrl_jax import config_lib
+from flowrl_jax.credit import adaptive
+
+
+def get_config(arg: str = ""):
+    config = config_lib.embedded_train_config()
+    config.credit = ("uniform", "adaptive")
+    config.credit_options = {"adaptive": dict(adaptive.DEFAULTS)}
+    config.curriculum.enabled = True
+    config.lock()
+    return config

@@ -1,0 +1,16 @@
+"""lambda-controlled GRPO (SPEC.md §4): `python -m flowrl_jax.main --config configs/lambda_grpo.py --workdir workdirs/lambda_grpo`.
+
+The clipped objective with the calibrated ratio `rho exp(sg(V_t) / 2)`, per-step effort weights
+`1 / kappa_t` and the path-variance budget `lambda = eps^2` (steps over `lambda D` get no gradient
+that round). `V_t` (measured and predicted) and the budget are logged per step for every objective,
+so a Flow-GRPO run's metrics.jsonl can be set beside this one's. Budget and sampler:
+`config_lib.embedded_train_config()`.
+"""
+from flowrl_jax import config_lib
+
+
+def get_config(arg: str = ""):
+    config = config_lib.embedded_train_config()
+    config.objective.name = "lambda_grpo"
+    config.lock()
+    return config

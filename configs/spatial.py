@@ -1,0 +1,19 @@
+"""Gradient-guided spatial credit (SPEC.md §3 `spatial`) on the embedded world:
+`python -m flowrl_jax.main --config configs/spatial.py --workdir workdirs/spatial`.
+
+Flow-GRPO's group advantage re-weighted per DiT token by the MAD-normalized gradient norm of the
+shipped learned reward (`shapes32_reward`) w.r.t. the final image, with per-token ratios. The policy
+is still trained on the exact evaluator's score; the learned reward only draws the credit map
+(`credit_maps_<step>.png` in the workdir). Budget and sampler: `config_lib.embedded_train_config()`.
+"""
+from flowrl_jax import config_lib
+from flowrl_jax.credit import spatial
+
+
+def get_config(arg: str = ""):
+    config = config_lib.embedded_train_config()
+    config.credit = ("uniform", "spatial")
+    config.credit_options = {"spatial": dict(spatial.DEFAULTS)}
+    config.objective.ratio = "token"
+    config.lock()
+    return config

@@ -1,0 +1,15 @@
+"""Stepwise credit from Tweedie gains (SPEC.md §3 `stepwise`):
+`python -m flowrl_jax.main --config configs/stepwise.py --workdir workdirs/stepwise`.
+
+Each trained step's advantage is the group-normalized gain `R(x0_hat_{t+1}) - R(x0_hat_t)` of the
+exact evaluator's score on the Tweedie estimates, in place of the trajectory's one advantage.
+Budget and sampler: `config_lib.embedded_train_config()`.
+"""
+from flowrl_jax import config_lib
+
+
+def get_config(arg: str = ""):
+    config = config_lib.embedded_train_config()
+    config.credit = ("stepwise",)
+    config.lock()
+    return config

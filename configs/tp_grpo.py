@@ -1,0 +1,17 @@
+"""TurningPoint-GRPO (SPEC.md §3 `turning_point`):
+`python -m flowrl_jax.main --config configs/tp_grpo.py --workdir workdirs/tp_grpo`.
+
+Incremental step rewards from ODE completions of every SDE-window state (one batched scan per
+iteration), turning points by sign changes, the balanced bonus, per-step group normalization.
+Composes with spatial credit (none of the papers offers this):
+`--config.credit='("turning_point", "spatial")' --config.objective.ratio=token` (spatial's options
+default to `credit/spatial.DEFAULTS`). Budget and sampler: `config_lib.embedded_train_config()`.
+"""
+from flowrl_jax import config_lib
+
+
+def get_config(arg: str = ""):
+    config = config_lib.embedded_train_config()
+    config.credit = ("turning_point",)
+    config.lock()
+    return config
