@@ -62,26 +62,26 @@ def main() -> None:
     extras = credit.prepare(steps.context(steps.state, ro, cond, null, prompts, reward_fn))
     adv, _, keep = steps.credit(ro, parallel.shard_batch(reward, mesh), parallel.shard_batch(gids, mesh),
                                 t_cfg.prompts_per_iteration, steps.state["credit"], extras)
-    rows, step_ids, weight = next(train.minibatches(np.ones(batch, bool), steps.trained_steps, steps.minibatch_size,
+    rows, step_ids, weight = next(train.minibatches(np.ones(batch, bool), steps.slots, steps.minibatch_size,
                                                     np.random.default_rng(0)))
     state = steps.state
 
     def update():
         nonlocal state
-        state, stats = steps.update(state, steps.frozen, ro, adv, cond, null, rows, step_ids, weight)
+        state, stats = steps.update(state, steps.frozen, ro, adv, cond, null, rows, step_ids, weight, {})
         return stats
 
     update_s = _median(update, args.repeats)
     pairs = steps.minibatch_size
     per_iteration = rollout_s + reward_s + t_cfg.num_inner_epochs * t_cfg.minibatches * update_s
-    row = dict(config=args.config, batch=batch, num_steps=s_cfg.num_steps, trained_steps=len(steps.trained_steps), cfg=s_cfg.cfg,
+    row = dict(config=args.config, batch=batch, num_steps=s_cfg.num_steps, trained_steps=len(steps.slots), cfg=s_cfg.cfg,
                beta=config.objective.beta, rollout_s=rollout_s, rollout_images_per_s=batch / rollout_s,
                rollout_dit_calls_per_s=batch * s_cfg.num_steps * (2 if s_cfg.cfg != 1 else 1) / rollout_s,
                reward_s=reward_s, update_pairs=pairs, update_s=update_s, update_pairs_per_s=pairs / update_s,
                iteration_s=per_iteration)
     print(f"{'config':24s} {'B':>4s} {'T':>3s} {'trained':>7s} {'rollout s':>9s} {'img/s':>7s} {'reward s':>8s} "
           f"{'pairs':>6s} {'update s':>8s} {'pairs/s':>8s} {'iter s':>7s}")
-    print(f"{args.config:24s} {batch:4d} {s_cfg.num_steps:3d} {len(steps.trained_steps):7d} {rollout_s:9.2f} "
+    print(f"{args.config:24s} {batch:4d} {s_cfg.num_steps:3d} {len(steps.slots):7d} {rollout_s:9.2f} "
           f"{row['rollout_images_per_s']:7.1f} {reward_s:8.3f} {pairs:6d} {update_s:8.2f} {row['update_pairs_per_s']:8.1f} {per_iteration:7.1f}")
     env = dict(jax=jax.__version__, backend=jax.default_backend(), devices=jax.device_count(), cpu_count=os.cpu_count(),
                machine=platform.machine())

@@ -69,7 +69,11 @@ def train_config() -> ConfigDict:
     cfg.credit = ("uniform",)
     cfg.credit_options = ConfigDict()  # per scheme, e.g. {"spatial": {"tau": 2.0}}; defaults in each credit module
     cfg.curriculum = dict(enabled=False, **curriculum.DEFAULTS)  # AdaGRPO's prompt curriculum, SPEC §5
-    cfg.objective = dict(name="grpo", clip_range=1e-4, beta=0.04, ratio="sample", kl_form="exact")
+    # objective.name: grpo | lambda_grpo | advantage_flow | nft | leapalign (objectives/__init__.py); the fields after
+    # kl_form belong to the forward-process objectives (timesteps: time slots per sample; beta0: AdvantageFlow;
+    # nft_beta, beta_kl: DiffusionNFT) and LeapAlign (gamma, tau), SPEC §6
+    cfg.objective = dict(name="grpo", clip_range=1e-4, beta=0.04, ratio="sample", kl_form="exact",
+                         timesteps=4, beta0=1.0, nft_beta=1.0, beta_kl=0.0, gamma=0.5, tau=0.01)
     cfg.eval = dict(every=50, at_start=True, per_category=0, samples_per_prompt=1, batch_size=210, num_steps=20, cfg=3.0, shift=1.0)
     cfg.checkpoint = dict(every=25, keep=3)
     return cfg

@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import time
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,7 @@ from flowrl_jax.credit import spatial
 from flowrl_jax.credit.context import Context
 from flowrl_jax.data import curriculum, shapes
 from flowrl_jax.models import lora
-from flowrl_jax.objectives import OBJECTIVES, grpo
+from flowrl_jax.objectives import OBJECTIVES, forward, grpo, leap, nft
 from flowrl_jax.sampling import kernels, rollout as rollout_lib, schedule
 
 
@@ -71,11 +72,40 @@ def kernel_mean_fn(policy: Policy, sampler_cfg):
     return mean_fn
 
 
+class PolicyFns(NamedTuple):
+    """What an objective may call (`objectives/__init__.py`), all with the rollout's CFG."""
+    mean: Callable      # (variables, mb) -> (mean, std, v): the rollout's kernel at mb["x"] (kernel_mean_fn)
+    velocity: Callable  # (variables, x [M, H, W, C], sigma [M], mb) -> v with mb's condition
+    reward: Callable    # (images [M, H, W, C], mb) -> [M]: the learned reward (params and tokens in mb)
+
+
+def policy_fns(policy: Policy, sampler_cfg, reward_apply: Callable | None = None) -> PolicyFns:
+    def velocity(variables, x, sigma, mb):
+        return rollout_lib.guided(policy.velocity_fn(variables), mb["cond"], mb["null"], sampler_cfg.cfg)(x, sigma)
+
+    def reward(images, mb):
+        return reward_apply(mb["reward_params"], images, mb["reward_ids"], mb["reward_mask"])
+
+    return PolicyFns(kernel_mean_fn(policy, sampler_cfg), velocity, reward)
+
+
 # -------------------------------------------------------------------------------------------- the steps
 def sampler_levels(sampler_cfg):
     """[T] noise level per step from `config.sampler` (its SDE window; `()` = every step)."""
     window = tuple(sampler_cfg.sde_window) if sampler_cfg.sde_window else None
-    return rollout_lib.noise_levels(sampler_cfg.num_steps, sampler_cfg.noise_level, window)
+    levels = rollout_lib.noise_levels(sampler_cfg.num_steps, sampler_cfg.noise_level, window)
+    return levels * 0.0 if sampler_cfg.kind == "ode" else levels
+
+
+def training_slots(config) -> np.ndarray:
+    """The per-sample slots an objective trains on: the SDE window's steps (reverse process), the
+    forward-process time slots (`objective.timesteps`), or one leap per sample (LeapAlign)."""
+    process = OBJECTIVES[config.objective.name].process
+    if process == "forward":
+        return np.arange(config.objective.timesteps)
+    if process == "leap":
+        return np.zeros(1, np.int64)
+    return np.flatnonzero(np.asarray(sampler_levels(config.sampler)))
 
 
 def make_rollout_fn(policy: Policy, config):
@@ -96,22 +126,32 @@ def make_rollout_fn(policy: Policy, config):
     return rollout_fn
 
 
-def make_update_fn(policy: Policy, optimizer, config):
-    """jit-able `(state, frozen, ro, adv, cond, null, rows, steps, weight) -> (state, stats)`: one
-    optimizer step of the configured objective on the pairs `(rows[m], steps[m])`."""
+def make_update_fn(policy: Policy, optimizer, config, reward_apply: Callable | None = None):
+    """jit-able `(state, frozen, ro, adv, cond, null, rows, slots, weight, extras) -> (state, stats)`: one
+    optimizer step of the configured objective on the pairs `(rows[m], slots[m])` (`training_slots`).
+    The forward-process noise and LeapAlign's steps come from `config.seed` and the update counter."""
     o, s = config.objective, config.sampler
-    loss_fn = OBJECTIVES[o.name]
+    objective = OBJECTIVES[o.name]
     options = ConfigDict({**o.to_dict(), "patch_size": policy.pipe.dit.patch_size, "logprob_form": s.logprob_form,
                           "num_steps": s.num_steps, "kernel": s.kind})
-    mean_fn = kernel_mean_fn(policy, s)
+    fns = policy_fns(policy, s, reward_apply)
+    times = forward.training_times(o.timesteps, s.shift)
     ema_decay = config.train.ema_decay
 
-    def update(state, frozen, ro, adv, cond, null, rows, steps, weight):
-        mb = grpo.gather_pairs(ro, adv, cond, null, rows, steps, weight)
+    def update(state, frozen, ro, adv, cond, null, rows, slots, weight, extras):
+        key = jax.random.fold_in(jax.random.PRNGKey(config.seed + 2), state["updates"])
+        if objective.process == "reverse":
+            mb, fn = grpo.gather_pairs(ro, adv, cond, null, rows, slots, weight), fns.mean
+        elif objective.process == "forward":
+            mb, fn = forward.forward_pairs(ro, adv, cond, null, rows, slots, weight, key, times), fns
+        else:
+            mb, fn = {**leap.leap_pairs(ro, cond, null, rows, weight, key, extras), "reward_params": frozen["reward"]}, fns
+        if objective.old_policy:
+            mb["old_variables"] = policy.variables(state["old"], frozen["dit"])
         ref = {"params": frozen["dit"]}
 
         def loss(trainable):
-            return loss_fn(policy.variables(trainable, frozen["dit"]), ref, mb, mean_fn, options)
+            return objective.loss(policy.variables(trainable, frozen["dit"]), ref, mb, fn, options)
 
         (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(state["params"])
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
@@ -124,6 +164,12 @@ def make_update_fn(policy: Policy, optimizer, config):
         return {**state, "params": params, "opt_state": opt_state, "ema": ema, "updates": n}, stats
 
     return update
+
+
+def update_old_policy(state):
+    """DiffusionNFT's old policy after an iteration: `old <- d old + (1 - d) params`, `d = min(0.001 step, 0.5)`."""
+    d = nft.old_policy_decay(state["step"].astype(jnp.float32))
+    return {**state, "old": jax.tree_util.tree_map(lambda o, p: d * o + (1 - d) * p, state["old"], state["params"])}
 
 
 def make_completion_fn(policy: Policy, config):
@@ -150,11 +196,15 @@ def make_completion_fn(policy: Policy, config):
     return complete
 
 
-def make_credit_fn(credit):
+def make_credit_fn(credit, reverse: bool = True):
+    """`(ro, rewards, group_ids, num_groups, credit_state, extras) -> (A, credit_state, keep [B])`; the
+    reverse-process objectives drop samples with no advantage on a trained step (SPEC §2), the others
+    keep all (their advantage-free samples still carry the regularizing term)."""
     def credit_fn(ro, rewards, group_ids, num_groups, credit_state, extras):
         inputs = {"rollout": ro, "rewards": rewards, "group_ids": group_ids, "num_groups": num_groups, **extras}
         adv, credit_state = credit.apply(inputs, credit_state)
-        return adv, credit_state, credit_lib.kept_samples(adv, ro.trained)
+        keep = credit_lib.kept_samples(adv, ro.trained) if reverse else jnp.ones(rewards.shape, bool)
+        return adv, credit_state, keep
 
     return credit_fn
 
@@ -229,8 +279,10 @@ def _finite_or_stop(values: dict, step: int, what: str, ckpt: Checkpointer) -> N
 class Steps:
     """The jit-compiled pieces of one iteration on `mesh`, and the initial TrainState:
     `rollout(params, frozen, ids, mask, rng)`, `credit(ro, rewards, group_ids, num_groups, credit_state)`,
-    `update(state, frozen, ro, adv, cond, null, rows, steps, weight)`. `frozen = {"dit", "text"}` are the
-    base weights (the KL reference and the frozen text encoder), sharded by the partition rules."""
+    `update(state, frozen, ro, adv, cond, null, rows, slots, weight, extras)`. `frozen = {"dit", "text"}` are the
+    base weights (the KL reference and the frozen text encoder), sharded by the partition rules, and for
+    LeapAlign `"reward"`, the learned reward's params (replicated). `objective_extras(prompts)` are the
+    objective's host-side inputs per iteration (LeapAlign: the learned reward's tokens), batch-sharded."""
 
     def __init__(self, config, mesh, pipe, base: dict, credit, num_prompts: int = 0):
         t_cfg, s_cfg = config.train, config.sampler
@@ -239,13 +291,23 @@ class Steps:
         optimizer = optax.chain(optax.clip_by_global_norm(t_cfg.grad_clip),
                                 optax.adamw(t_cfg.lr, b1=0.9, b2=0.999, weight_decay=t_cfg.weight_decay))
         rules, min_size = config.partition_rules, config.min_fsdp_size
+        self.objective = objective = OBJECTIVES[config.objective.name]
+        reward_apply, self._reward_tokenize = None, None
+        if objective.process == "leap":
+            reward_apply, reward_params, self._reward_tokenize = rewards_lib.learned_model()
+            base = {**base, "reward": reward_params}
         frozen_shardings = parallel.tree_shardings(base, mesh, rules, min_size)
+        if "reward" in base:
+            frozen_shardings["reward"] = jax.tree_util.tree_map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+                                                                base["reward"])
         self.frozen = jax.device_put(base, frozen_shardings)
 
         def init_state(r):
             params = policy.init(self.frozen["dit"], r)
             state = {"step": jnp.zeros((), jnp.int32), "updates": jnp.zeros((), jnp.int32), "params": params, "ema": params,
                      "opt_state": optimizer.init(params), "credit": credit.init()}
+            if objective.old_policy:
+                state["old"] = params
             if config.curriculum.enabled:
                 state["curriculum"] = jax.tree_util.tree_map(jnp.asarray, curriculum.init(num_prompts))
             return state
@@ -256,13 +318,21 @@ class Steps:
         data, replicated = parallel.batch_sharding(mesh), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self.rollout = jax.jit(make_rollout_fn(policy, config),
                                in_shardings=(self.shardings["params"], frozen_shardings, data, data, replicated))
-        self.credit = jax.jit(make_credit_fn(credit), static_argnums=3)
+        self.credit = jax.jit(make_credit_fn(credit, objective.process == "reverse"), static_argnums=3)
         self.complete = jax.jit(make_completion_fn(policy, config), static_argnums=5)
         self._reward_gradient = None
-        self.update = jax.jit(make_update_fn(policy, optimizer, config), out_shardings=(self.shardings, None), donate_argnums=0)
-        self.trained_steps = np.flatnonzero(np.asarray(sampler_levels(s_cfg)))
+        self.update = jax.jit(make_update_fn(policy, optimizer, config, reward_apply), out_shardings=(self.shardings, None),
+                              donate_argnums=0)
+        self.update_old_policy = jax.jit(update_old_policy, out_shardings=self.shardings, donate_argnums=0)
+        self.slots = training_slots(config)
         batch = t_cfg.prompts_per_iteration * t_cfg.group_size
-        self.minibatch_size = -(-batch * len(self.trained_steps) // t_cfg.minibatches)
+        self.minibatch_size = -(-batch * len(self.slots) // t_cfg.minibatches)
+
+    def objective_extras(self, prompts_local: list[dict]) -> dict:
+        if self._reward_tokenize is None:
+            return {}
+        ids, mask = self._reward_tokenize(prompts_local)
+        return dict(zip(("reward_ids", "reward_mask"), parallel.shard_batch((ids, mask), self.mesh)))
 
     def context(self, state, ro, cond, null, prompts_local, reward_fn) -> Context:
         """The credit schemes' host-side tools for this iteration (`credit.context`)."""
@@ -282,10 +352,18 @@ def run(config, workdir: str | None) -> dict:
     if not workdir:
         raise ConfigError("the train job needs --workdir (checkpoints, metrics and samples go there)")
     t_cfg, s_cfg, e_cfg = config.train, config.sampler, config.eval
-    if s_cfg.kind not in ("sde", "cps", "lc"):
-        raise ConfigError(f"sampler.kind={s_cfg.kind!r} cannot be trained on; choose one of sde, cps, lc")
     if config.objective.name not in OBJECTIVES:
         raise ConfigError(f"unknown objective {config.objective.name!r} (config.objective.name); known: {sorted(OBJECTIVES)}")
+    objective = OBJECTIVES[config.objective.name]
+    if s_cfg.kind not in objective.kinds:
+        raise ConfigError(f"sampler.kind={s_cfg.kind!r} cannot be trained on by objective {config.objective.name!r}; "
+                          f"choose one of {', '.join(objective.kinds)}")
+    if s_cfg.kind == "ode" and s_cfg.same_noise_per_group:
+        raise ConfigError("sampler.kind=ode with sampler.same_noise_per_group=True makes every image of a group the same "
+                          "(no advantage to learn from): set --config.sampler.same_noise_per_group=False")
+    if objective.process != "reverse" and (set(config.credit) & {"stepwise", "turning_point", "spatial"} or config.objective.ratio != "sample"):
+        raise ConfigError(f"objective {config.objective.name!r} has no per-step or per-token ratio: use credit "
+                          "('uniform',) or ('uniform', 'adaptive') and objective.ratio=sample")
     try:
         reward_fn = rewards_lib.build(t_cfg.rewards)
         credit = credit_lib.build(config.credit, config.credit_options, config.advantage.global_std, config.advantage.clip)
@@ -295,8 +373,6 @@ def run(config, workdir: str | None) -> dict:
     if "spatial" in credit.names and config.objective.ratio != "token":
         raise ConfigError("credit 'spatial' weights tokens, which a per-sample ratio averages away: "
                           "set --config.objective.ratio=token")
-    if config.objective.name == "lambda_grpo" and s_cfg.kind == "lc":
-        raise ConfigError("objective lambda_grpo needs an affine kernel: sampler.kind sde or cps (lc is not affine in v)")
     train_prompts = load_prompt_set(config.prompts.train, "train")
     test_prompts = load_prompt_set(config.prompts.test, "test")
     if e_cfg.per_category:
@@ -325,7 +401,7 @@ def run(config, workdir: str | None) -> dict:
         print(f"resumed from step {int(state['step'])} in {ckpt.directory}")
 
     rollout_fn, credit_fn, update_fn = jitted.rollout, jitted.credit, jitted.update
-    trained_steps, minibatch_size = jitted.trained_steps, jitted.minibatch_size
+    slots, minibatch_size = jitted.slots, jitted.minibatch_size
     sampler = evaluate.make_sampler(pipe, e_cfg.num_steps, e_cfg.cfg, e_cfg.shift)
     local = parallel.process_batch_slice(batch)
     writer = metrics.MetricWriter(workdir)
@@ -362,7 +438,8 @@ def run(config, workdir: str | None) -> dict:
                 group_ids = np.repeat(np.arange(t_cfg.prompts_per_iteration, dtype=np.int32), t_cfg.group_size)
                 ids, mask = pipe.tokenize([p["prompt"] for p in prompts])
                 ids, mask = parallel.shard_batch((ids[local], mask[local]), mesh)
-                ro, cond, null = rollout_fn(state["params"], frozen, ids, mask, jax.random.fold_in(it_rng, 0))
+                rollout_params = state["old"] if objective.old_policy else state["params"]
+                ro, cond, null = rollout_fn(rollout_params, frozen, ids, mask, jax.random.fold_in(it_rng, 0))
                 t1 = time.time()
 
                 images = parallel.local_rows(ro.final)  # this process's samples -> host rewards
@@ -383,14 +460,17 @@ def run(config, workdir: str | None) -> dict:
                                              os.path.join(workdir, f"credit_maps_{it + 1:06d}.png"),
                                              [p["prompt"] for p in prompts[local]])
                 keep = np.asarray(keep)
+                objective_extras = jitted.objective_extras(prompts[local])
                 t2 = time.time()
 
                 step_stats = []
                 for epoch in range(t_cfg.num_inner_epochs):
-                    for rows, steps, weight in minibatches(keep, trained_steps, minibatch_size, np.random.default_rng([config.seed, it, epoch])):
-                        state, stats = update_fn(state, frozen, ro, adv, cond, null, rows, steps, weight)
+                    for rows, steps, weight in minibatches(keep, slots, minibatch_size, np.random.default_rng([config.seed, it, epoch])):
+                        state, stats = update_fn(state, frozen, ro, adv, cond, null, rows, steps, weight, objective_extras)
                         step_stats.append(stats)
                 state = {**state, "step": state["step"] + 1}
+                if objective.old_policy:
+                    state = jitted.update_old_policy(state)
                 stats = {k: np.mean([np.asarray(s[k]) for s in step_stats], 0) for k in step_stats[0]} if step_stats else {}
                 _finite_or_stop({k: v for k, v in stats.items() if k in ("loss", "kl", "grad_norm")}, it + 1, "the", ckpt)
                 t3 = time.time()
@@ -405,7 +485,7 @@ def run(config, workdir: str | None) -> dict:
                            "rollout_s": t1 - t0, "reward_s": t2 - t1, "update_s": t3 - t2, "updates": len(step_stats),
                            "wall_s": history["wall_s"]}
                 for key in (k for k in stats if k.endswith("_per_step")):
-                    for t in trained_steps:
+                    for t in slots:
                         scalars[f"{key[:-9]}/step_{t}"] = float(stats[key][t])
                 writer.scalars(done, scalars)
                 bar.set_postfix(reward=f"{scalars['reward']:.3f}", clipfrac=f"{scalars.get('clipfrac', 0):.3f}",

@@ -178,3 +178,31 @@ def test_turning_points_compose_with_spatial_credit_and_draw_credit_maps(base, t
     assert os.path.isfile(tmp_path / "credit_maps_000001.png") and os.path.isfile(tmp_path / "credit_maps_000002.png")
     with pytest.raises(ConfigError, match="objective.ratio=token"):
         _run(base, tmp_path / "bad", **{"credit": ("uniform", "spatial")})
+
+
+@pytest.mark.parametrize("name", ["advantage_flow", "nft", "leapalign"])
+def test_forward_process_and_leap_objectives_train_through_the_shared_loop(base, tmp_path, monkeypatch, name):
+    _brightness_reward(monkeypatch)
+    out = _run(base, tmp_path, **{"train.iterations": 2, "objective.name": name, "objective.timesteps": 2, "sampler.kind": "ode"})
+    assert out["step"] == 2
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"reward"' in line]
+    assert rows[-1]["updates"] == TINY["train.minibatches"] and rows[-1]["kept_fraction"] == 1.0
+    assert {"advantage_flow": "flow_matching", "nft": "optimality_mean", "leapalign": "learned_reward"}[name] in rows[-1]
+    state, first = _state(str(tmp_path)), _state(str(tmp_path), 1)
+    moved = [np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in zip(jax.tree_util.tree_leaves(state["params"]),
+                                                                       jax.tree_util.tree_leaves(first["params"]))]
+    assert max(moved) > 0
+    if name == "nft":  # the old policy follows with d = min(0.001 step, 0.5): after step 1 (d = 0.001) it is ~ the policy
+        old_gap = max(np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in zip(jax.tree_util.tree_leaves(state["old"]),
+                                                                                jax.tree_util.tree_leaves(state["params"])))
+        assert 0 < old_gap <= 0.01 * max(moved) + 1e-9
+
+
+def test_objectives_reject_samplers_and_credit_they_cannot_use(base, tmp_path):
+    for fields, match in [({"objective.name": "grpo", "sampler.kind": "ode"}, "cannot be trained on"),
+                          ({"objective.name": "nft", "sampler.kind": "sde"}, "choose one of ode"),
+                          ({"objective.name": "lambda_grpo", "sampler.kind": "lc"}, "choose one of sde, cps"),
+                          ({"objective.name": "nft", "sampler.kind": "ode", "sampler.same_noise_per_group": True}, "same_noise_per_group"),
+                          ({"objective.name": "advantage_flow", "sampler.kind": "ode", "credit": ("stepwise",)}, "no per-step")]:
+        with pytest.raises(ConfigError, match=match):
+            _run(base, tmp_path / "bad", **fields)

@@ -1,8 +1,31 @@
-"""Objectives: `loss(variables, ref_variables, minibatch, mean_fn, options) -> (loss, aux)` by name.
+"""Objectives by name: `Objective(loss, process, kinds, old_policy)`, `loss(variables, ref_variables, mb, fn, options) -> (loss, aux)`.
 
-`grpo`: the clipped ratio objective with a KL to the reference (Flow-GRPO, SPEC.md §4).
-`lambda_grpo`: the same with lambda control (calibrated ratio, effort weights, path-variance budget).
+The process says which minibatches the shared train loop builds and what `fn` is:
+- `reverse`: (sample, SDE step) pairs of an sde/cps/lc rollout (`grpo.gather_pairs`); `fn` = the
+  kernel mean `(variables, mb) -> (mean, std, v)`. `grpo` (Flow-GRPO's clipped ratio, SPEC §4) and
+  `lambda_grpo` (lambda control).
+- `forward`: (sample, time slot) pairs of the final samples noised afresh (`forward.forward_pairs`);
+  `fn` = `train.PolicyFns` (its `velocity`). `advantage_flow` and `nft` (SPEC §6).
+- `leap`: one pair per sample of an ODE rollout (`leap.leap_pairs`); `fn` = `train.PolicyFns` (its
+  `velocity` and the learned `reward`). `leapalign` (SPEC §6).
+`old_policy`: the TrainState keeps `theta_old` (rollouts use it; DiffusionNFT's EMA schedule).
 """
-from flowrl_jax.objectives import grpo
+from typing import Callable, NamedTuple
 
-OBJECTIVES = {"grpo": grpo.clipped_loss, "lambda_grpo": grpo.lambda_loss}
+from flowrl_jax.objectives import advantage_flow, grpo, leap, nft
+
+
+class Objective(NamedTuple):
+    loss: Callable
+    process: str                 # "reverse" | "forward" | "leap"
+    kinds: tuple[str, ...]       # sampler kinds its rollouts may use
+    old_policy: bool = False
+
+
+OBJECTIVES = {
+    "grpo": Objective(grpo.clipped_loss, "reverse", ("sde", "cps", "lc")),
+    "lambda_grpo": Objective(grpo.lambda_loss, "reverse", ("sde", "cps")),
+    "advantage_flow": Objective(advantage_flow.loss, "forward", ("ode", "sde", "cps", "lc")),
+    "nft": Objective(nft.loss, "forward", ("ode",), old_policy=True),
+    "leapalign": Objective(leap.loss, "leap", ("ode",)),
+}

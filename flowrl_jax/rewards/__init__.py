@@ -23,7 +23,7 @@ def _exact(field: str) -> Callable:
     return reward
 
 
-def _learned_model(name: str = "shapes32_reward"):
+def learned_model(name: str = "shapes32_reward"):
     """(apply(params, images, ids, mask) -> [B], params, tokenize(prompt rows) -> (ids, mask)) of a shipped reward."""
     from flowrl_jax import assets
     from flowrl_jax.models.text import tokenize
@@ -37,7 +37,7 @@ def _learned() -> Callable:
     import jax
     import jax.numpy as jnp
 
-    apply, params, tokenize = _learned_model()
+    apply, params, tokenize = learned_model()
     apply = jax.jit(apply)
 
     def reward(images, prompts):
@@ -51,7 +51,7 @@ def learned_gradient(mesh=None) -> Callable:
     `mesh`, the reward's params are replicated on it and the prompt tokens sharded like the images' batch."""
     import jax
 
-    apply, params, tokenize = _learned_model()
+    apply, params, tokenize = learned_model()
     place = lambda x: x  # noqa: E731
     if mesh is not None:
         from flowrl_jax import parallel

@@ -1,0 +1,16 @@
+"""LeapAlign (SPEC.md §6): `python -m flowrl_jax.main --config configs/leapalign.py --workdir workdirs/leapalign`.
+
+Direct gradients of the shipped learned reward (`shapes32_reward`) through two leaps of the policy's
+ODE trajectory (`gamma` scales the nested gradient, `tau` the leap weights); memory flat in the
+number of sampler steps (`benchmarks/memory.py`). The exact evaluator's score is still what the run
+logs and evaluates. Budget: `config_lib.embedded_train_config()`, with an ODE sampler.
+"""
+from flowrl_jax import config_lib
+
+
+def get_config(arg: str = ""):
+    config = config_lib.embedded_train_config()
+    config.sampler.update(kind="ode", sde_window=(), same_noise_per_group=False)
+    config.objective.update(name="leapalign", gamma=0.5, tau=0.01)
+    config.lock()
+    return config

@@ -1,0 +1,40 @@
+"""Forward-process minibatches (SPEC.md §0, §6): the rollout's final samples `x0`, noised afresh.
+
+    mb = forward_pairs(ro, adv, cond, null, rows, slots, weight, key, times)
+
+A pair is (sample `rows[m]`, time slot `slots[m]`): `t = times[slot]`, `eps ~ N(0, I)` drawn from
+`key`, `x_t = (1 - t) x0 + t eps`, flow-matching target `eps - x0`. `times` are `objective.timesteps`
+fixed times spread over (0, 1) (`training_times`), so every sample is trained at the same spread of
+noise levels, high to low. The per-sample advantage is the mean of the credit chain's
+`A[b, t, k]` over steps and tokens (forward-process objectives have no per-step ratio).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flowrl_jax.sampling import kernels, schedule
+
+
+def training_times(num_slots: int, shift: float) -> jnp.ndarray:
+    """[num_slots] times in (0, 1): the midpoints of `num_slots` equal bins, shifted like the sampler's
+    schedule (SPEC §0 `sh`), e.g. 4 slots at shift 1: .125, .375, .625, .875."""
+    return schedule.shift_sigma((jnp.arange(num_slots, dtype=jnp.float32) + 0.5) / num_slots, shift)
+
+
+def forward_pairs(ro, adv, cond, null_cond, rows, slots, weight, key, times) -> dict:
+    """The minibatch of M forward-process pairs (module doc): x0, eps, x_t [M, H, W, C], t [M], adv [M],
+    `adv_floor` = max(-A) over the whole batch, the condition, weight [M] (0 on padding), slot [M]."""
+    x0 = ro.final[rows]
+    t = times[slots]
+    eps = jax.random.normal(key, x0.shape, x0.dtype)
+    x_t = kernels._col(1.0 - t, x0) * x0 + kernels._col(t, x0) * eps
+    per_sample = adv.mean(axis=(1, 2))
+    pick = lambda tree: jax.tree_util.tree_map(lambda a: a[rows], tree)  # noqa: E731
+    return {"x0": x0, "eps": eps, "x_t": x_t, "t": t, "adv": per_sample[rows], "adv_floor": jnp.max(-per_sample),
+            "cond": pick(cond), "null": pick(null_cond), "weight": weight, "step": slots}
+
+
+def weighted_mean(values, weight):
+    """sum_m w_m values_m / max(sum w, 1): the mean over the real (non-padding) pairs."""
+    return jnp.sum(weight * values) / jnp.maximum(weight.sum(), 1.0)

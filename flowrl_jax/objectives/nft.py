@@ -1,0 +1,58 @@
+"""DiffusionNFT: the forward-process objective with implicit positive and negative policies (SPEC.md §6).
+
+    loss, aux = nft.loss(variables, ref_variables, mb, fns, options)   # mb: forward.forward_pairs + old_variables
+
+Rollouts come from the *old* policy `theta_old` with a deterministic sampler (only `x0` is used);
+`r = clip((A / 5) / 2 + 0.5, 0, 1)` maps the group advantage to an optimality probability. At
+`x_t = (1 - t) x0 + t eps`: `v+ = b v_theta + (1 - b) v_old`, `v- = (1 + b) v_old - b v_theta`,
+`x0+- = x_t - t v+-`, adaptive weights `w+- = sg(mean |x0+- - x0|)` (at least 1e-5),
+`L = mean[(r ||x0+ - x0||^2 / w+ + (1 - r) ||x0- - x0||^2 / w-) / b] + beta_kl ||v_theta - v_ref||^2`,
+norms as means over elements. After each iteration `theta_old <- d theta_old + (1 - d) theta`,
+`d = min(0.001 step, 0.5)` (`old_policy_decay`). The velocities are the sampler's (CFG `sampler.cfg`).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flowrl_jax.objectives.forward import weighted_mean
+
+DEFAULTS = {"nft_beta": 1.0, "beta_kl": 0.0}
+
+
+def optimality(adv):
+    """[M] r = clip((A / 5) / 2 + 0.5, 0, 1)."""
+    return jnp.clip(adv / 10.0 + 0.5, 0.0, 1.0)
+
+
+def old_policy_decay(step):
+    """d = min(0.001 step, 0.5) for the old-policy EMA after iteration `step`."""
+    return jnp.minimum(0.001 * step, 0.5)
+
+
+def nft_terms(v, v_old, x_t, x0, t, r, b: float):
+    """Per-pair NFT loss [M] (module doc) from the policy's and the old policy's velocities [M, H, W, C]."""
+    col = lambda s: s.reshape(s.shape + (1,) * (x_t.ndim - 1))  # noqa: E731
+    v_old = jax.lax.stop_gradient(v_old)
+    axes = tuple(range(1, x_t.ndim))
+    x0_pos = x_t - col(t) * (b * v + (1 - b) * v_old)
+    x0_neg = x_t - col(t) * ((1 + b) * v_old - b * v)
+    w_pos = jax.lax.stop_gradient(jnp.maximum(jnp.mean(jnp.abs(x0_pos - x0), axes), 1e-5))
+    w_neg = jax.lax.stop_gradient(jnp.maximum(jnp.mean(jnp.abs(x0_neg - x0), axes), 1e-5))
+    pos = jnp.mean(jnp.square(x0_pos - x0), axes) / w_pos
+    neg = jnp.mean(jnp.square(x0_neg - x0), axes) / w_neg
+    return (r * pos + (1 - r) * neg) / b
+
+
+def loss(variables, ref_variables, mb: dict, fns, options):
+    b = float(options.get("nft_beta", DEFAULTS["nft_beta"]))
+    beta_kl = float(options.get("beta_kl", DEFAULTS["beta_kl"]))
+    v = fns.velocity(variables, mb["x_t"], mb["t"], mb)
+    v_old = fns.velocity(mb["old_variables"], mb["x_t"], mb["t"], mb)
+    r = optimality(mb["adv"])
+    policy_loss = weighted_mean(nft_terms(v, v_old, mb["x_t"], mb["x0"], mb["t"], r, b), mb["weight"])
+    kl = jnp.zeros(())
+    if beta_kl > 0:
+        v_ref = jax.lax.stop_gradient(fns.velocity(ref_variables, mb["x_t"], mb["t"], mb))
+        kl = weighted_mean(jnp.mean(jnp.square(v - v_ref), axis=(1, 2, 3)), mb["weight"])
+    return policy_loss + beta_kl * kl, {"policy_loss": policy_loss, "kl": kl, "optimality_mean": weighted_mean(r, mb["weight"])}

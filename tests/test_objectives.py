@@ -1,0 +1,183 @@
+"""AdvantageFlow, DiffusionNFT and LeapAlign (SPEC.md §6) against closed forms, finite differences and
+compiled memory sizes."""
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flowrl_jax.objectives import advantage_flow, leap, nft
+from flowrl_jax.sampling import schedule
+from tests.conftest import gaussian_velocity
+
+
+# ------------------------------------------------------------------------------------------ AdvantageFlow
+def test_advantage_flow_weights_are_nonnegative_and_zero_advantage_is_plain_flow_matching():
+    rng = np.random.default_rng(0)
+    adv = jnp.asarray(rng.normal(size=64) * 3, jnp.float32)
+    w = advantage_flow.pair_weights(adv, jnp.max(-adv), 0.5)
+    assert float(w.min()) >= 0.5 - 1e-6 and abs(float(w.min()) - 0.5) < 1e-6  # the worst sample sits at beta0
+    v, target = (rng.normal(size=(5, 4, 4, 3)).astype(np.float32) for _ in range(2))
+    weight = np.array([1, 1, 1, 1, 0], np.float32)  # the last pair is padding
+    zero = jnp.zeros(5)
+    got = advantage_flow.weighted_flow_matching(jnp.asarray(v), jnp.asarray(target), zero, jnp.max(-zero), jnp.asarray(weight), 2.0)
+    expected = 2.0 * np.mean(((v - target) ** 2)[:4])
+    np.testing.assert_allclose(float(got), expected, rtol=1e-5)
+
+
+def test_advantage_flow_is_convex_in_the_velocity():
+    rng = np.random.default_rng(1)
+    adv = jnp.asarray(rng.normal(size=3) * 2, jnp.float32)
+    target = jnp.asarray(rng.normal(size=(3, 2, 2, 1)), jnp.float32)
+    f = lambda flat: advantage_flow.weighted_flow_matching(flat.reshape(target.shape), target, adv, jnp.max(-adv),  # noqa: E731
+                                                            jnp.ones(3), 1.0)
+    hessian = jax.hessian(f)(jnp.asarray(rng.normal(size=target.size), jnp.float32))
+    eig = np.linalg.eigvalsh(np.asarray(hessian, np.float64))
+    # diag(2 (beta + A_i) / (M D)) with every beta + A_i >= beta0 = 1: positive definite
+    assert eig.min() > 0
+    np.testing.assert_allclose(np.sort(eig), np.sort(np.repeat(2 * (np.asarray(adv) + float(jnp.max(-adv)) + 1.0) / 12, 4)),
+                               rtol=1e-5)
+
+
+# -------------------------------------------------------------------------------------------- DiffusionNFT
+def test_nft_gradient_at_the_old_policy_points_toward_positives_and_matches_the_closed_form():
+    """1-D toy: x0 ~ N(m, s^2) with its analytic velocity, the parameter is m. Samples above the old
+    mean are positives (A = +5, r = 1), below are negatives (r = 0); descent must raise m."""
+    s, m_old, b = 0.5, 0.2, 1.0
+    rng = np.random.default_rng(2)
+    x0 = (m_old + s * rng.normal(size=(256, 1))).astype(np.float32)
+    t = rng.uniform(0.1, 0.9, size=256).astype(np.float32)
+    eps = rng.normal(size=(256, 1)).astype(np.float32)
+    x_t = (1 - t[:, None]) * x0 + t[:, None] * eps
+    adv = np.where(x0[:, 0] > m_old, 5.0, -5.0).astype(np.float32)
+    r = nft.optimality(jnp.asarray(adv))
+    np.testing.assert_array_equal(r, (adv > 0).astype(np.float32))
+
+    def loss(m):
+        v = gaussian_velocity(m, s)(jnp.asarray(x_t), jnp.asarray(t))
+        v_old = gaussian_velocity(m_old, s)(jnp.asarray(x_t), jnp.asarray(t))
+        return nft.nft_terms(v, v_old, jnp.asarray(x_t), jnp.asarray(x0), jnp.asarray(t), r, b).mean()
+
+    grad = float(jax.grad(loss)(jnp.float32(m_old)))
+    assert grad < 0  # gradient descent moves the mean toward the positive samples
+    # closed form at theta = theta_old: dL/dm = mean 2 t v_m (x0_hat - x0) (1 - 2 r) / |x0_hat - x0|
+    var = (1 - t) ** 2 * s**2 + t**2
+    v_m = -(1 - t) * t / var - 1 + (1 - t) ** 2 * s**2 / var  # d v / d m of the Gaussian velocity, by hand
+    v_old = np.asarray(gaussian_velocity(m_old, s)(jnp.asarray(x_t), jnp.asarray(t)))[:, 0]
+    err = x_t[:, 0] - t * v_old - x0[:, 0]
+    expected = np.mean(2 * t * v_m * err * (1 - 2 * np.asarray(r)) / np.maximum(np.abs(err), 1e-5))
+    np.testing.assert_allclose(grad, expected, rtol=2e-4)
+
+
+def test_nft_old_policy_decay_schedule():
+    np.testing.assert_allclose(nft.old_policy_decay(jnp.array([0.0, 100.0, 499.0, 5000.0])), [0.0, 0.1, 0.499, 0.5], rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------- LeapAlign
+def _mlp(params, x, sigma):
+    flat = x.reshape(x.shape[0], -1)
+    h = jnp.tanh(jnp.concatenate([flat, sigma[:, None]], axis=1) @ params["w1"])
+    return (h @ params["w2"]).reshape(x.shape)
+
+
+def _mlp_params(key, dim, hidden=16, dtype=jnp.float32):
+    k1, k2 = jax.random.split(key)
+    return {"w1": 0.3 * jax.random.normal(k1, (dim + 1, hidden), dtype), "w2": 0.3 * jax.random.normal(k2, (hidden, dim), dtype)}
+
+
+class _Fns(NamedTuple):
+    velocity: object
+    reward: object
+
+
+def _ode_trajectory(params, x_T, sigmas):
+    """States before each step [B, T, ...] and the final sample, by plain Euler (a loop, independently of rollout.py)."""
+    states, x = [], x_T
+    for i in range(len(sigmas) - 1):
+        states.append(x)
+        x = x + (sigmas[i + 1] - sigmas[i]) * _mlp(params, x, jnp.full((x.shape[0],), sigmas[i]))
+    return jnp.stack(states, 1), x
+
+
+def _reward(x, mb=None):
+    return -jnp.mean(jnp.square(x - 0.3), axis=(1, 2, 3))
+
+
+def test_leap_connectors_give_the_real_trajectory_and_the_loss_value_is_the_real_reward():
+    params = _mlp_params(jax.random.PRNGKey(0), 2 * 2 * 3)
+    sigmas = schedule.sigmas(6, 3.0)
+    states, x0 = _ode_trajectory(params, jax.random.normal(jax.random.PRNGKey(1), (4, 2, 2, 3)), sigmas)
+    velocity = lambda x, s: _mlp(params, x, s)  # noqa: E731
+    i_k, i_j = jnp.array([0, 1, 2, 0]), jnp.array([3, 2, 5, 1])
+    rows = jnp.arange(4)
+    x0_tilde, x_j_hat = leap.two_leaps(velocity, states[rows, i_k], states[rows, i_j], x0, sigmas[i_k], sigmas[i_j], 0.5)
+    np.testing.assert_allclose(x0_tilde, x0, rtol=0, atol=1e-6)
+    assert float(jnp.abs(x_j_hat - states[rows, i_j]).max()) > 1e-3  # the leap itself is off the path; the connector fixes it
+    mb = {"x_k": states[rows, i_k], "x_j": states[rows, i_j], "x0": x0, "sigma_k": sigmas[i_k], "sigma_j": sigmas[i_j],
+          "weight": jnp.ones(4)}
+    fns = _Fns(lambda p, x, s, mb: _mlp(p, x, s), _reward)
+    value, aux = leap.loss(params, None, mb, fns, {"gamma": 0.5, "tau": 0.01})
+    w, _ = leap.leap_weights(x_j_hat, states[rows, i_j], jnp.ones(4), 0.01)
+    np.testing.assert_allclose(float(value), float(-jnp.sum(w * _reward(x0))), rtol=1e-5)
+    np.testing.assert_allclose(float(w.sum()), 1.0, rtol=1e-6)
+
+
+def test_leap_gradient_equals_a_finite_difference_of_the_surrogate():
+    """SPEC §6 testing note: d L / d theta = -d S / d theta at theta_0, with
+    S(theta) = sg(grad R(x_0)) . [u - sigma_j v_theta(u)], u = x_j + gamma (x^_j(theta) - x^_j(theta_0))."""
+    with jax.enable_x64(True):
+        params = _mlp_params(jax.random.PRNGKey(3), 2 * 2 * 3, dtype=jnp.float64)
+        sigmas = schedule.sigmas(8, 3.0).astype(jnp.float64)
+        states, x0 = _ode_trajectory(params, jax.random.normal(jax.random.PRNGKey(4), (1, 2, 2, 3), jnp.float64), sigmas)
+        gamma, ik, ij = 0.3, 1, 5
+        x_k, x_j, s_k, s_j = states[:, ik], states[:, ij], sigmas[ik:ik + 1], sigmas[ij:ij + 1]
+        mb = {"x_k": x_k, "x_j": x_j, "x0": x0, "sigma_k": s_k, "sigma_j": s_j, "weight": jnp.ones(1)}
+        fns = _Fns(lambda p, x, s, mb: _mlp(p, x, s), _reward)
+        grad = jax.grad(lambda p: leap.loss(p, None, mb, fns, {"gamma": gamma, "tau": 0.01})[0])(params)
+
+        g_r = jax.grad(lambda x: _reward(x).sum())(x0)
+        x_j_hat = lambda p: x_k - (s_k - s_j)[:, None, None, None] * _mlp(p, x_k, s_k)  # noqa: E731
+
+        def surrogate(p):
+            u = x_j + gamma * (x_j_hat(p) - x_j_hat(params))
+            return jnp.sum(g_r * (u - s_j[:, None, None, None] * _mlp(p, u, s_j)))
+
+        direction = jax.tree_util.tree_map(lambda a: jax.random.normal(jax.random.PRNGKey(5), a.shape, a.dtype), params)
+        h = 1e-5
+        shifted = lambda c: jax.tree_util.tree_map(lambda a, d: a + c * h * d, params, direction)  # noqa: E731
+        fd = (surrogate(shifted(1.0)) - surrogate(shifted(-1.0))) / (2 * h)
+        analytic = sum(jnp.sum(g * d) for g, d in zip(jax.tree_util.tree_leaves(grad), jax.tree_util.tree_leaves(direction)))
+        assert abs(float(fd)) > 1e-4
+        np.testing.assert_allclose(float(analytic), -float(fd), rtol=1e-6)
+
+
+def _temp_bytes(fn, *args) -> int:
+    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_leap_update_memory_does_not_grow_with_the_number_of_steps_and_full_backprop_does():
+    params = _mlp_params(jax.random.PRNGKey(0), 8 * 8 * 3, hidden=64)
+    fns = _Fns(lambda p, x, s, mb: _mlp(p, x, s), _reward)
+    leap_mem, full_mem = {}, {}
+    for steps in (4, 16):
+        sigmas = schedule.sigmas(steps, 3.0)
+        x_T = jnp.zeros((4, 8, 8, 3))
+        ro_states = jnp.zeros((4, steps, 8, 8, 3))
+
+        def leap_grad(p, states, x0, i_k, i_j):
+            mb = {"x_k": states[jnp.arange(4), i_k], "x_j": states[jnp.arange(4), i_j], "x0": x0, "sigma_k": sigmas[i_k],
+                  "sigma_j": sigmas[i_j], "weight": jnp.ones(4)}
+            return jax.grad(lambda q: leap.loss(q, None, mb, fns, {"gamma": 0.5, "tau": 0.01})[0])(p)
+
+        def full_grad(p, x):  # backprop through every Euler step of the trajectory
+            def final(q):
+                step = lambda x, pair: (x + (pair[1] - pair[0]) * _mlp(q, x, jnp.full((4,), pair[0])), None)  # noqa: E731
+                return jax.lax.scan(step, x, (sigmas[:-1], sigmas[1:]))[0]
+            return jax.grad(lambda q: -_reward(final(q)).sum())(p)
+
+        idx = jnp.array([0, 1, 0, 2])
+        leap_mem[steps] = _temp_bytes(leap_grad, params, ro_states, x_T, idx, idx + 1)
+        full_mem[steps] = _temp_bytes(full_grad, params, x_T)
+    assert leap_mem[16] == leap_mem[4]
+    assert full_mem[16] > full_mem[4]
