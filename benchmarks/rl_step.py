@@ -64,11 +64,11 @@ def main() -> None:
                                 t_cfg.prompts_per_iteration, steps.state["credit"], extras)
     rows, step_ids, weight = next(train.minibatches(np.ones(batch, bool), steps.slots, steps.minibatch_size,
                                                     np.random.default_rng(0)))
-    state = steps.state
+    state, objective_extras = steps.state, steps.objective_extras(prompts)
 
     def update():
         nonlocal state
-        state, stats = steps.update(state, steps.frozen, ro, adv, cond, null, rows, step_ids, weight, {})
+        state, stats = steps.update(state, steps.frozen, ro, adv, cond, null, rows, step_ids, weight, objective_extras)
         return stats
 
     update_s = _median(update, args.repeats)

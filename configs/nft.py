@@ -9,8 +9,7 @@ from flowrl_jax import config_lib
 
 
 def get_config(arg: str = ""):
-    config = config_lib.embedded_train_config()
-    config.sampler.update(kind="ode", sde_window=(), same_noise_per_group=False)
+    config = config_lib.embedded_train_config(ode_rollouts=True)
     config.objective.update(name="nft", timesteps=4, nft_beta=1.0, beta_kl=0.0)
     config.lock()
     return config

@@ -70,23 +70,29 @@ def train_config() -> ConfigDict:
     cfg.credit_options = ConfigDict()  # per scheme, e.g. {"spatial": {"tau": 2.0}}; defaults in each credit module
     cfg.curriculum = dict(enabled=False, **curriculum.DEFAULTS)  # AdaGRPO's prompt curriculum, SPEC §5
     # objective.name: grpo | lambda_grpo | advantage_flow | nft | leapalign (objectives/__init__.py); the fields after
-    # kl_form belong to the forward-process objectives (timesteps: time slots per sample; beta0: AdvantageFlow;
-    # nft_beta, beta_kl: DiffusionNFT) and LeapAlign (gamma, tau), SPEC §6
+    # kl_form belong to the forward-process objectives (timesteps: time slots per sample; train_cfg: the CFG scale of
+    # the velocity they train, 0 = the sampler's, 1 = the conditional velocity; beta0: AdvantageFlow; nft_beta,
+    # beta_kl: DiffusionNFT) and LeapAlign (gamma, tau; it uses train_cfg too), SPEC §6
     cfg.objective = dict(name="grpo", clip_range=1e-4, beta=0.04, ratio="sample", kl_form="exact",
-                         timesteps=4, beta0=1.0, nft_beta=1.0, beta_kl=0.0, gamma=0.5, tau=0.01)
-    cfg.eval = dict(every=50, at_start=True, per_category=0, samples_per_prompt=1, batch_size=210, num_steps=20, cfg=3.0, shift=1.0)
+                         timesteps=4, train_cfg=0.0, beta0=1.0, nft_beta=1.0, beta_kl=0.0, gamma=0.5, tau=0.01)
+    cfg.eval = dict(every=50, at_start=True, per_category=0, samples_per_prompt=1, batch_size=210, num_steps=20, cfg=3.0, shift=1.0,
+                    learned_reward=False)  # learned_reward: also score the eval images with the shipped learned reward
     cfg.checkpoint = dict(every=25, keep=3)
     return cfg
 
 
-def embedded_train_config() -> ConfigDict:
-    """`train_config()` sized for the embedded world on a 2-core CPU (what the quickstart and every credit
-    scheme's config start from, so that `benchmarks/compare_methods.py` compares like with like): LoRA
-    rank 32 at lr 3e-4, an SDE window on the first two of the 10 steps, shared initial noise per group,
-    8 prompts x 12 images per iteration, evals on the full test set with one sample per prompt."""
+def embedded_train_config(ode_rollouts: bool = False) -> ConfigDict:
+    """`train_config()` sized for the embedded world on a 2-core CPU (what the quickstart and every method's
+    config start from, so that `benchmarks/compare_methods.py` compares like with like): LoRA rank 32 at
+    lr 3e-4, an SDE window on the first two of the 10 steps, shared initial noise per group, 8 prompts x
+    12 images per iteration, evals on the full test set with one sample per prompt (and the learned
+    reward of the eval images). `ode_rollouts` (the forward-process objectives and LeapAlign): the ODE
+    sampler on every step, independent initial noise per image (else a group's images are the same)."""
     cfg = train_config()
     cfg.sampler.update(sde_window=(0, 2), same_noise_per_group=True)
+    if ode_rollouts:
+        cfg.sampler.update(kind="ode", sde_window=(), same_noise_per_group=False)
     cfg.train.update(iterations=36, prompts_per_iteration=8, group_size=12, minibatches=2, lr=3e-4, lora_rank=32)
-    cfg.eval.update(every=0, per_category=0, samples_per_prompt=1, batch_size=210)
+    cfg.eval.update(every=0, per_category=0, samples_per_prompt=1, batch_size=210, learned_reward=True)
     cfg.checkpoint.update(every=8)
     return cfg

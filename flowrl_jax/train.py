@@ -73,15 +73,18 @@ def kernel_mean_fn(policy: Policy, sampler_cfg):
 
 
 class PolicyFns(NamedTuple):
-    """What an objective may call (`objectives/__init__.py`), all with the rollout's CFG."""
-    mean: Callable      # (variables, mb) -> (mean, std, v): the rollout's kernel at mb["x"] (kernel_mean_fn)
-    velocity: Callable  # (variables, x [M, H, W, C], sigma [M], mb) -> v with mb's condition
+    """What an objective may call (`objectives/__init__.py`)."""
+    mean: Callable      # (variables, mb) -> (mean, std, v): the rollout's kernel at mb["x"] (kernel_mean_fn, the rollout's CFG)
+    velocity: Callable  # (variables, x [M, H, W, C], sigma [M], mb) -> v with mb's condition, at CFG `velocity_cfg`
     reward: Callable    # (images [M, H, W, C], mb) -> [M]: the learned reward (params and tokens in mb)
 
 
-def policy_fns(policy: Policy, sampler_cfg, reward_apply: Callable | None = None) -> PolicyFns:
+def policy_fns(policy: Policy, sampler_cfg, reward_apply: Callable | None = None, velocity_cfg: float | None = None) -> PolicyFns:
+    """`velocity_cfg`: the CFG scale of `velocity` (None: the sampler's; 1: the conditional velocity alone)."""
+    cfg = sampler_cfg.cfg if velocity_cfg is None else velocity_cfg
+
     def velocity(variables, x, sigma, mb):
-        return rollout_lib.guided(policy.velocity_fn(variables), mb["cond"], mb["null"], sampler_cfg.cfg)(x, sigma)
+        return rollout_lib.guided(policy.velocity_fn(variables), mb["cond"], mb["null"], cfg)(x, sigma)
 
     def reward(images, mb):
         return reward_apply(mb["reward_params"], images, mb["reward_ids"], mb["reward_mask"])
@@ -134,7 +137,7 @@ def make_update_fn(policy: Policy, optimizer, config, reward_apply: Callable | N
     objective = OBJECTIVES[o.name]
     options = ConfigDict({**o.to_dict(), "patch_size": policy.pipe.dit.patch_size, "logprob_form": s.logprob_form,
                           "num_steps": s.num_steps, "kernel": s.kind})
-    fns = policy_fns(policy, s, reward_apply)
+    fns = policy_fns(policy, s, reward_apply, o.train_cfg if o.train_cfg > 0 else None)
     times = forward.training_times(o.timesteps, s.shift)
     ema_decay = config.train.ema_decay
 
@@ -405,6 +408,7 @@ def run(config, workdir: str | None) -> dict:
     sampler = evaluate.make_sampler(pipe, e_cfg.num_steps, e_cfg.cfg, e_cfg.shift)
     local = parallel.process_batch_slice(batch)
     writer = metrics.MetricWriter(workdir)
+    learned_reward = rewards_lib.build((("learned", 1.0),)) if e_cfg.learned_reward else None
 
     def run_eval(step: int) -> dict:
         params = {"dit": policy.merged(state["ema"], frozen["dit"]), "text": frozen["text"]}
@@ -412,8 +416,12 @@ def run(config, workdir: str | None) -> dict:
                                   e_cfg.batch_size, sampler=sampler, progress=True)
         evaluate.category_grid(result, os.path.join(workdir, f"eval_{step:06d}.png"))
         table = result["table"]
-        writer.scalars(step, {**{f"eval/{k}/{m}": v[m] for k, v in table.items() for m in ("strict", "score")}, "wall_s": history["wall_s"]})
-        history["evals"].append({"step": step, "wall_s": history["wall_s"], "table": table})
+        entry = {"step": step, "wall_s": history["wall_s"], "table": table}
+        if learned_reward is not None:  # the shipped learned reward on the same eval images (what LeapAlign optimizes)
+            entry["learned_reward"] = float(learned_reward(result["images"], result["rows"])[0].mean())
+        writer.scalars(step, {**{f"eval/{k}/{m}": v[m] for k, v in table.items() for m in ("strict", "score")}, "wall_s": history["wall_s"],
+                              **({"eval/learned_reward": entry["learned_reward"]} if "learned_reward" in entry else {})})
+        history["evals"].append(entry)
         tqdm.write(f"eval at step {step} (EMA weights, {len(test_prompts)} test prompts x {e_cfg.samples_per_prompt}, "
                    f"ODE {e_cfg.num_steps} steps, cfg {e_cfg.cfg}):\n" + evaluate.format_table(table))
         return table
@@ -421,7 +429,7 @@ def run(config, workdir: str | None) -> dict:
     start = int(state["step"])
     if start == 0 and e_cfg.at_start and not history["evals"]:
         run_eval(0)
-    bar = tqdm(range(start, t_cfg.iterations), initial=start, total=t_cfg.iterations, desc="flow-grpo", dynamic_ncols=True)
+    bar = tqdm(range(start, t_cfg.iterations), initial=start, total=t_cfg.iterations, desc=config.objective.name, dynamic_ncols=True)
     stopped = None
     try:
         with StopSignal() as stop:
