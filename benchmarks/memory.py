@@ -55,11 +55,13 @@ def measure(preset: str, batch: int, num_steps: int) -> dict:
         return jax.grad(lambda q: leap.loss(q, None, mb, _Fns(velocity, reward), {"gamma": 0.5, "tau": 0.01})[0])(p)
 
     def full_grad(p, x_T, remat: bool):
-        def step(x, pair):
-            return x + (pair[1] - pair[0]) * velocity(p, x, jnp.full((batch,), pair[0])), None
+        def loss(q):
+            def step(x, pair):
+                return x + (pair[1] - pair[0]) * velocity(q, x, jnp.full((batch,), pair[0])), None
 
-        step_fn = jax.checkpoint(step) if remat else step
-        return jax.grad(lambda q: -reward(jax.lax.scan(step_fn, x_T, (sigmas[:-1], sigmas[1:]))[0]).sum())(p)
+            step_fn = jax.checkpoint(step) if remat else step
+            return -reward(jax.lax.scan(step_fn, x_T, (sigmas[:-1], sigmas[1:]))[0]).sum()
+        return jax.grad(loss)(p)
 
     spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     idx = jax.ShapeDtypeStruct((batch,), jnp.int32)
