@@ -22,16 +22,11 @@ import platform
 import jax
 import jax.numpy as jnp
 
-from flowrl_jax import rewards
+from flowrl_jax import rewards, train
 from flowrl_jax.config_lib import model_config
 from flowrl_jax.models import build_mmdit
 from flowrl_jax.objectives import leap
 from flowrl_jax.sampling import schedule
-
-
-class _Fns:
-    def __init__(self, velocity, reward):
-        self.velocity, self.reward = velocity, reward
 
 
 def measure(preset: str, batch: int, num_steps: int) -> dict:
@@ -52,7 +47,7 @@ def measure(preset: str, batch: int, num_steps: int) -> dict:
         rows = jnp.arange(batch)
         mb = {"x_k": states[rows, i_k], "x_j": states[rows, i_j], "x0": x0, "sigma_k": sigmas[i_k], "sigma_j": sigmas[i_j],
               "weight": jnp.ones(batch)}
-        return jax.grad(lambda q: leap.loss(q, None, mb, _Fns(velocity, reward), {"gamma": 0.5, "tau": 0.01})[0])(p)
+        return jax.grad(lambda q: leap.loss(q, None, mb, train.PolicyFns(None, velocity, reward), {"gamma": 0.5, "tau": 0.01})[0])(p)
 
     def full_grad(p, x_T, remat: bool):
         def loss(q):
@@ -65,7 +60,7 @@ def measure(preset: str, batch: int, num_steps: int) -> dict:
 
     spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     idx = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    temp = lambda fn, *args: jax.jit(fn, static_argnums=()).lower(*args).compile().memory_analysis().temp_size_in_bytes  # noqa: E731
+    temp = lambda fn, *args: jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes  # noqa: E731
     return {"steps": num_steps,
             "leapalign": temp(leap_grad, params, spec((batch, num_steps) + x.shape[1:]), spec(x.shape), idx, idx),
             "full_backprop": temp(lambda p, xT: full_grad(p, xT, False), params, spec(x.shape)),

@@ -283,8 +283,8 @@ class Steps:
     """The jit-compiled pieces of one iteration on `mesh`, and the initial TrainState:
     `rollout(params, frozen, ids, mask, rng)`, `credit(ro, rewards, group_ids, num_groups, credit_state)`,
     `update(state, frozen, ro, adv, cond, null, rows, slots, weight, extras)`. `frozen = {"dit", "text"}` are the
-    base weights (the KL reference and the frozen text encoder), sharded by the partition rules, and for
-    LeapAlign `"reward"`, the learned reward's params (replicated). `objective_extras(prompts)` are the
+    base weights (the KL reference and the frozen text encoder) and, for LeapAlign, `"reward"` (the learned
+    reward's params), all sharded by the partition rules. `objective_extras(prompts)` are the
     objective's host-side inputs per iteration (LeapAlign: the learned reward's tokens), batch-sharded."""
 
     def __init__(self, config, mesh, pipe, base: dict, credit, num_prompts: int = 0):
@@ -300,9 +300,6 @@ class Steps:
             reward_apply, reward_params, self._reward_tokenize = rewards_lib.learned_model()
             base = {**base, "reward": reward_params}
         frozen_shardings = parallel.tree_shardings(base, mesh, rules, min_size)
-        if "reward" in base:
-            frozen_shardings["reward"] = jax.tree_util.tree_map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
-                                                                base["reward"])
         self.frozen = jax.device_put(base, frozen_shardings)
 
         def init_state(r):

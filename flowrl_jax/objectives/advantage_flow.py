@@ -24,18 +24,21 @@ def pair_weights(adv, adv_floor, beta0: float):
     return adv_floor + beta0 + adv
 
 
+def _pair_terms(v, target, adv, adv_floor, beta0: float):
+    """([M] squared flow-matching error, [M] pair weights)."""
+    return jnp.mean(jnp.square(v - target), axis=tuple(range(1, v.ndim))), pair_weights(adv, adv_floor, beta0)
+
+
 def weighted_flow_matching(v, target, adv, adv_floor, weight, beta0: float):
     """The loss as a function of the velocity `v [M, H, W, C]` (convex in `v`)."""
-    sq = jnp.mean(jnp.square(v - target), axis=tuple(range(1, v.ndim)))
-    return weighted_mean(pair_weights(adv, adv_floor, beta0) * sq, weight)
+    sq, w = _pair_terms(v, target, adv, adv_floor, beta0)
+    return weighted_mean(w * sq, weight)
 
 
 def loss(variables, ref_variables, mb: dict, fns, options):
     beta0 = float(options.get("beta0", DEFAULTS["beta0"]))
     v = fns.velocity(variables, mb["x_t"], mb["t"], mb)
-    target = mb["eps"] - mb["x0"]
-    value = weighted_flow_matching(v, target, mb["adv"], mb["adv_floor"], mb["weight"], beta0)
-    fm = weighted_mean(jnp.mean(jnp.square(v - target), axis=(1, 2, 3)), mb["weight"])
-    w = pair_weights(mb["adv"], mb["adv_floor"], beta0)
-    return value, {"flow_matching": fm, "pair_weight_mean": weighted_mean(w, mb["weight"]),
-                   "beta": mb["adv_floor"] + beta0}
+    sq, w = _pair_terms(v, mb["eps"] - mb["x0"], mb["adv"], mb["adv_floor"], beta0)
+    return weighted_mean(w * sq, mb["weight"]), {"flow_matching": weighted_mean(sq, mb["weight"]),
+                                                 "pair_weight_mean": weighted_mean(w, mb["weight"]),
+                                                 "beta": mb["adv_floor"] + beta0}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from flowrl_jax.objectives.forward import weighted_mean
 from flowrl_jax.sampling import kernels
 
 DEFAULTS = {"gamma": 0.5, "tau": 0.01}
@@ -61,6 +62,5 @@ def loss(variables, ref_variables, mb: dict, fns, options):
     x0_tilde, x_j_hat = two_leaps(velocity, mb["x_k"], mb["x_j"], mb["x0"], mb["sigma_k"], mb["sigma_j"], gamma)
     w, err = leap_weights(x_j_hat, mb["x_j"], mb["weight"], tau)
     reward = fns.reward(x0_tilde, mb)
-    return -jnp.sum(w * reward), {"learned_reward": jnp.sum(mb["weight"] * reward) / jnp.maximum(mb["weight"].sum(), 1.0),
-                                  "leap_error": jnp.sum(mb["weight"] * err) / jnp.maximum(mb["weight"].sum(), 1.0),
-                                  "leap_weight_max": jnp.max(w)}
+    return -jnp.sum(w * reward), {"learned_reward": weighted_mean(reward, mb["weight"]),
+                                  "leap_error": weighted_mean(err, mb["weight"]), "leap_weight_max": jnp.max(w)}

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from flowrl_jax.objectives.forward import weighted_mean
+from flowrl_jax.sampling import kernels
 
 DEFAULTS = {"nft_beta": 1.0, "beta_kl": 0.0}
 
@@ -32,11 +33,11 @@ def old_policy_decay(step):
 
 def nft_terms(v, v_old, x_t, x0, t, r, b: float):
     """Per-pair NFT loss [M] (module doc) from the policy's and the old policy's velocities [M, H, W, C]."""
-    col = lambda s: s.reshape(s.shape + (1,) * (x_t.ndim - 1))  # noqa: E731
     v_old = jax.lax.stop_gradient(v_old)
     axes = tuple(range(1, x_t.ndim))
-    x0_pos = x_t - col(t) * (b * v + (1 - b) * v_old)
-    x0_neg = x_t - col(t) * ((1 + b) * v_old - b * v)
+    t = kernels._col(t, x_t)
+    x0_pos = x_t - t * (b * v + (1 - b) * v_old)
+    x0_neg = x_t - t * ((1 + b) * v_old - b * v)
     w_pos = jax.lax.stop_gradient(jnp.maximum(jnp.mean(jnp.abs(x0_pos - x0), axes), 1e-5))
     w_neg = jax.lax.stop_gradient(jnp.maximum(jnp.mean(jnp.abs(x0_neg - x0), axes), 1e-5))
     pos = jnp.mean(jnp.square(x0_pos - x0), axes) / w_pos
