@@ -1,0 +1,285 @@
+"""flowrl_jax against the PyTorch/diffusers Flow-GRPO stack on the same work, in one process (issue 7).
+
+    python benchmarks/compare_torch.py [--setups quickstart,medium] [--repeats 3] [--no-compile]
+
+Each setup builds both sides from the same weights: flowrl_jax's `train.Steps` (the jitted rollout,
+credit and update that `python -m flowrl_jax.main` runs) and `torch_reference.TorchFlowGRPO` on diffusers'
+`SD3Transformer2DModel`, eager and `torch.compile`d. Then it alternates one whole Flow-GRPO iteration per
+side (A/B/C, A/B/C, ...) `--repeats` times after a warm-up; the warm-up minus the median is the compile time.
+An iteration is: rollout (B images, T steps, CFG in one doubled batch, the SDE window) -> the exact
+evaluator's reward on the host -> group advantages -> one optimizer step per minibatch of (sample, step)
+pairs. Both sides get the same prompts, the same reward function and the same minibatch order; torch gets
+`torch.set_num_threads(os.cpu_count())` and takes the text condition from our (frozen) text encoder.
+
+- `quickstart`: `configs/quickstart.py` as it is: the shipped `shapes32` DiT (64 tokens, width 128, depth 6),
+  LoRA rank 32, 8 prompts x 12 images, 10 steps, SDE on steps 0-1, CFG 3, 2 minibatches of 96 pairs.
+- `medium`: the `medium` preset (256 tokens, width 512, depth 12, random weights), same recipe at 2 x 4
+  images and 6 steps.
+
+FLOPs are the hand count of `flowrl_jax/models/flops.py` (dense, attention, unmerged LoRA), per call:
+rollout = T x forward(2B rows); an update on M pairs = the policy's forward(2M) + its backward + the KL
+reference's forward(2M) without adapters. With the base weights frozen the backward computes input gradients
+only: dense x 1, attention x 2 (the two products' two operand gradients), LoRA x 2 (its inputs and its
+weights), so an update is `3 dense + 4 attention + 3 lora` of a 2M-row forward. The machine's limit is a
+float32 `jnp.dot` of two 2048 x 2048 matrices (and torch's `@`), timed in the same run.
+Writes benchmarks/results/compare_torch.json.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from ml_collections import ConfigDict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import torch_reference as tr  # noqa: E402
+from flowrl_jax import config_lib, credit as credit_lib, parallel, pretrain, rewards, train  # noqa: E402
+from flowrl_jax.data import shapes  # noqa: E402
+from flowrl_jax.models import flops  # noqa: E402
+from flowrl_jax.sampling import schedule  # noqa: E402
+
+SETUPS = {
+    "quickstart": dict(base="shapes32", fields={}),
+    "medium": dict(preset="medium", fields={"train.prompts_per_iteration": 2, "train.group_size": 4, "sampler.num_steps": 6}),
+}
+
+
+@dataclasses.dataclass
+class Pair:
+    """Both sides of one setup, built from the same weights; `torch_sides` by name ("eager", "compile")."""
+    config: ConfigDict
+    mesh: jax.sharding.Mesh
+    pipe: object
+    steps: train.Steps
+    torch_sides: dict
+    prompts: list
+
+    @property
+    def batch(self) -> int:
+        return self.config.train.prompts_per_iteration * self.config.train.group_size
+
+
+def random_base(preset: str, seed: int = 0, scale: float = 0.05):
+    """(pipe, {"dit", "text"}) of a random model: the init plus `scale` noise on every DiT weight (the
+    init zeroes the adaLN and output layers, which would make the velocity 0)."""
+    cfg = ConfigDict({"model": config_lib.model_config(preset), "text": dict(max_len=10, width=128, depth=1, heads=4)})
+    pipe = pretrain.build_pipeline(cfg)
+    params = pretrain.init_params(pipe, jax.random.PRNGKey(seed))
+    leaves, treedef = jax.tree_util.tree_flatten(params["dit"])
+    keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
+    params["dit"] = treedef.unflatten([p + scale * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)])
+    return pipe, params
+
+
+def build_pair(config, pipe, base: dict, compile_modes=("eager",), lora_b_scale: float = 0.0, seed: int = 0) -> Pair:
+    """`train.Steps` for `config` on `base`, and a `TorchFlowGRPO` per compile mode with the same DiT weights and
+    LoRA adapters (`lora_b_scale > 0` draws the adapters' `b`, zero at init, so the policy differs from the reference)."""
+    mesh = parallel.make_mesh(config.mesh)
+    credit = credit_lib.build(config.credit, config.credit_options, config.advantage.global_std, config.advantage.clip)
+    steps = train.Steps(config, mesh, pipe, base, credit)
+    if lora_b_scale:
+        flat = jax.tree_util.tree_leaves_with_path(steps.state["params"])
+        keys = iter(jax.random.split(jax.random.PRNGKey(seed + 7), len(flat)))
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, x: x + lora_b_scale * jax.random.normal(next(keys), x.shape) if path[-1].key == "b" else x, steps.state["params"])
+        params = jax.device_put(params, steps.shardings["params"])
+        ema = jax.tree_util.tree_map(lambda x: x.copy(), params)  # its own buffers: the update donates both
+        steps.state = {**steps.state, "params": params, "ema": ema}
+    adapters = jax.device_get(steps.state["params"])
+    t, o = config.train, config.objective
+    sides = {mode: tr.TorchFlowGRPO(tr.diffusers_model(pipe.dit, jax.device_get(base["dit"])), adapters, pipe.dit.lora_alpha,
+                                    config.sampler.cfg, o.clip_range, o.beta, t.lr, t.weight_decay, t.grad_clip, t.ema_decay,
+                                    compile=mode == "compile")
+             for mode in compile_modes}
+    prompts = shapes.load_prompts("train")
+    return Pair(config, mesh, pipe, steps, sides, prompts)
+
+
+def iteration_prompts(pair: Pair, it: int) -> list[dict]:
+    t = pair.config.train
+    chosen = train.sample_prompts(pair.prompts, t.prompts_per_iteration, np.random.default_rng([pair.config.seed, it]))
+    return [p for p in chosen for _ in range(t.group_size)]
+
+
+def jax_rollout(pair: Pair, prompts: list[dict], it: int):
+    ids, mask = parallel.shard_batch(pair.pipe.tokenize([p["prompt"] for p in prompts]), pair.mesh)
+    return pair.steps.rollout(pair.steps.state["params"], pair.steps.frozen, ids, mask, jax.random.PRNGKey(it))
+
+
+def jax_updates(pair: Pair, ro, cond, null, reward: np.ndarray, it: int):
+    """Group advantages and one update per minibatch (the train loop's order) -> (adv [B], [stats per update])."""
+    t = pair.config.train
+    gids = np.repeat(np.arange(t.prompts_per_iteration, dtype=np.int32), t.group_size)
+    steps = pair.steps
+    adv, _, keep = steps.credit(ro, parallel.shard_batch(reward.astype(np.float32), pair.mesh), parallel.shard_batch(gids, pair.mesh),
+                                t.prompts_per_iteration, steps.state["credit"], {})
+    stats = []
+    for rows, slots, weight in minibatch_order(pair, np.asarray(keep), it):
+        steps.state, s = steps.update(steps.state, steps.frozen, ro, adv, cond, null, rows, slots, weight, {})
+        stats.append(s)
+    return adv, stats
+
+
+def minibatch_order(pair: Pair, keep: np.ndarray, it: int):
+    return train.minibatches(keep, pair.steps.slots, pair.steps.minibatch_size, np.random.default_rng([pair.config.seed, it, 0]))
+
+
+def torch_condition(cond, null):
+    return [tr.to_torch(jax.device_get(c)) for c in cond], [tr.to_torch(jax.device_get(u)) for u in null]
+
+
+def torch_schedule(config):
+    s = config.sampler
+    return tr.to_torch(schedule.sigmas(s.num_steps, s.shift)), tr.to_torch(train.sampler_levels(s))
+
+
+def torch_updates(pair: Pair, side, ro: dict, cond, null, reward: np.ndarray, it: int):
+    """The same as `jax_updates` on the torch side (same advantages formula, kept samples and minibatch order)."""
+    adv = tr.group_advantages(torch.from_numpy(reward.astype(np.float32)), pair.config.train.group_size,
+                              pair.config.advantage.global_std, pair.config.advantage.clip)
+    keep = (adv != 0).numpy()
+    stats = [side.update(ro, adv, cond, null, torch.from_numpy(rows).long(), torch.from_numpy(slots).long(), torch.from_numpy(weight))
+             for rows, slots, weight in minibatch_order(pair, keep, it)]
+    return adv, stats
+
+
+# ---------------------------------------------------------------------------------------------- timing
+def time_jax_iteration(pair: Pair, reward_fn, it: int) -> dict:
+    prompts = iteration_prompts(pair, it)
+    t0 = time.perf_counter()
+    ro, cond, null = jax.block_until_ready(jax_rollout(pair, prompts, it))
+    t1 = time.perf_counter()
+    reward, _ = reward_fn(parallel.local_rows(ro.final), prompts)
+    _, stats = jax_updates(pair, ro, cond, null, reward, it)
+    jax.block_until_ready(pair.steps.state)
+    t2 = time.perf_counter()
+    return {"rollout_s": t1 - t0, "update_s": t2 - t1, "iteration_s": t2 - t0, "updates": len(stats)}
+
+
+def time_torch_iteration(pair: Pair, side, reward_fn, it: int) -> dict:
+    prompts = iteration_prompts(pair, it)
+    s, t = pair.config.sampler, pair.config.train
+    ids, mask = parallel.shard_batch(pair.pipe.tokenize([p["prompt"] for p in prompts]), pair.mesh)
+    cond, null = torch_condition(pair.pipe.encode(pair.steps.frozen["text"], ids, mask),
+                                 pair.pipe.null_condition(pair.steps.frozen["text"], pair.batch))
+    sigmas, levels = torch_schedule(pair.config)
+    shape = (pair.batch, pair.pipe.dit.in_channels, pair.pipe.dit.sample_size, pair.pipe.dit.sample_size)
+    gen = torch.Generator().manual_seed(it)
+    t0 = time.perf_counter()
+    x_T = torch.randn((pair.batch // t.group_size,) + shape[1:], generator=gen).repeat_interleave(t.group_size, 0)
+    ro = side.rollout(x_T, torch.randn((s.num_steps,) + shape, generator=gen), cond, null, sigmas, levels)
+    t1 = time.perf_counter()
+    images = ro["next_states"][:, -1].movedim(1, -1).numpy()
+    reward, _ = reward_fn(images, prompts)
+    _, stats = torch_updates(pair, side, ro, cond, null, reward, it)
+    t2 = time.perf_counter()
+    return {"rollout_s": t1 - t0, "update_s": t2 - t1, "iteration_s": t2 - t0, "updates": len(stats)}
+
+
+def matmul_peak(n: int = 2048, repeats: int = 10) -> dict:
+    a, b = jax.random.normal(jax.random.PRNGKey(0), (n, n)), jax.random.normal(jax.random.PRNGKey(1), (n, n))
+    dot = jax.jit(jnp.dot)
+    ta, tb = torch.randn(n, n), torch.randn(n, n)
+    out = {}
+    for name, fn in (("jax", lambda: dot(a, b).block_until_ready()), ("torch", lambda: ta @ tb)):
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out[f"{name}_gflop_s"] = 2 * n**3 / statistics.median(times) / 1e9
+    return out
+
+
+def hand_flops(pair: Pair) -> dict:
+    """(rollout, one update) FLOPs (module doc)."""
+    dit, s = pair.pipe.dit, pair.config.sampler
+    params, adapters = pair.steps.frozen["dit"], pair.steps.state["params"] if pair.config.train.lora_rank else None
+    text_len = pair.pipe.text.max_len
+    size = dit.sample_size
+    roll = flops.forward_flop_parts(dit, params, 2 * pair.batch, size, size, text_len, adapters)
+    upd = flops.forward_flop_parts(dit, params, 2 * pair.steps.minibatch_size, size, size, text_len, adapters)
+    beta = pair.config.objective.beta > 0
+    return {"rollout": s.num_steps * sum(roll.values()),
+            "update": (2 + beta) * upd["dense"] + (3 + beta) * upd["attention"] + 3 * upd["lora"]}
+
+
+def run_setup(name: str, repeats: int, compile_torch: bool) -> dict:
+    spec = SETUPS[name]
+    config = config_lib.embedded_train_config()
+    for key, value in spec["fields"].items():
+        section, field = key.split(".")
+        config[section][field] = value
+    pipe, base = train.load_base(spec["base"])[:2] if "base" in spec else random_base(spec["preset"])
+    modes = ("eager", "compile") if compile_torch else ("eager",)
+    pair = build_pair(config, pipe, base, modes)
+    reward_fn = rewards.build(config.train.rewards)
+    runs = {"flowrl_jax": lambda it: time_jax_iteration(pair, reward_fn, it),
+            **{f"torch_{m}": (lambda it, side=pair.torch_sides[m]: time_torch_iteration(pair, side, reward_fn, it)) for m in modes}}
+    times = {k: [] for k in runs}
+    for r in range(repeats + 1):  # round 0 is the warm-up (compiles)
+        for k, fn in runs.items():
+            times[k].append(fn(r))
+            print(f"  {name} round {r} {k}: {times[k][-1]['iteration_s']:.2f} s", flush=True)
+    fl = hand_flops(pair)
+    result = {"setup": name, "batch": pair.batch, "num_steps": config.sampler.num_steps, "trained_steps": len(pair.steps.slots),
+              "minibatch_pairs": pair.steps.minibatch_size, "updates": times["flowrl_jax"][0]["updates"],
+              "params": int(sum(x.size for x in jax.tree_util.tree_leaves(base["dit"]))), "flops": fl, "sides": {}}
+    for k, rows in times.items():
+        med = {f: statistics.median(row[f] for row in rows[1:]) for f in ("rollout_s", "update_s", "iteration_s")}
+        per_update = med["update_s"] / rows[1]["updates"]
+        result["sides"][k] = {**med, "compile_s": rows[0]["iteration_s"] - med["iteration_s"],
+                              "rollout_images_per_s": pair.batch / med["rollout_s"],
+                              "update_pairs_per_s": pair.steps.minibatch_size / per_update,
+                              "rollout_gflop_s": fl["rollout"] / med["rollout_s"] / 1e9,
+                              "update_gflop_s": fl["update"] / per_update / 1e9, "all": rows}
+    return result
+
+
+def table(results: list[dict], peak: dict) -> str:
+    lines = [f"matmul peak (float32 2048^2 dot): jax {peak['jax_gflop_s']:.0f} GFLOP/s, torch {peak['torch_gflop_s']:.0f} GFLOP/s",
+             f"{'setup':10s} {'side':14s} {'rollout img/s':>13s} {'update pairs/s':>14s} {'iteration s':>11s} {'compile s':>9s} "
+             f"{'rollout GF/s':>12s} {'update GF/s':>11s} {'upd % peak':>10s} {'speedup (iter)':>14s}"]
+    for res in results:
+        jx = res["sides"]["flowrl_jax"]
+        for k, s in res["sides"].items():
+            speed = "" if k == "flowrl_jax" else f"{s['iteration_s'] / jx['iteration_s']:.2f}x"
+            lines.append(f"{res['setup']:10s} {k:14s} {s['rollout_images_per_s']:13.2f} {s['update_pairs_per_s']:14.2f} "
+                         f"{s['iteration_s']:11.2f} {s['compile_s']:9.1f} {s['rollout_gflop_s']:12.1f} {s['update_gflop_s']:11.1f} "
+                         f"{100 * s['update_gflop_s'] / peak['jax_gflop_s' if k == 'flowrl_jax' else 'torch_gflop_s']:9.0f}% {speed:>14s}")
+    lines.append("speedup (iter) = torch iteration time / flowrl_jax iteration time (> 1: flowrl_jax is faster)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--setups", default="quickstart,medium")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile side")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "compare_torch.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count())
+    peak = matmul_peak()
+    results = [run_setup(name, args.repeats, not args.no_compile) for name in args.setups.split(",")]
+    print(table(results, peak))
+    env = dict(jax=jax.__version__, torch=torch.__version__, backend=jax.default_backend(), devices=jax.device_count(),
+               cpu_count=os.cpu_count(), machine=platform.machine(), xla_flags=os.environ.get("XLA_FLAGS", ""))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"env": env, "matmul_peak": peak, "results": results}, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
