@@ -30,7 +30,7 @@ import optax
 from ml_collections import ConfigDict
 from tqdm import tqdm
 
-from flowrl_jax import assets, credit as credit_lib, evaluate, metrics, parallel, rewards as rewards_lib
+from flowrl_jax import assets, compiler, credit as credit_lib, evaluate, metrics, parallel, rewards as rewards_lib
 from flowrl_jax.checkpoint import Checkpointer
 from flowrl_jax.config_lib import ConfigError
 from flowrl_jax.credit import spatial
@@ -53,6 +53,10 @@ class Policy:
 
     def variables(self, trainable, frozen_dit) -> dict:
         return {"params": frozen_dit, "lora": trainable} if self.lora_rank else {"params": trainable}
+
+    def sampling_variables(self, trainable, frozen_dit) -> dict:
+        """`dit.apply` variables for sampling without gradients: adapters merged once, not applied per step."""
+        return {"params": self.merged(trainable, frozen_dit)}
 
     def merged(self, trainable, frozen_dit):
         """Plain DiT params (adapters folded in): what eval and export use."""
@@ -120,7 +124,7 @@ def make_rollout_fn(policy: Policy, config):
     def rollout_fn(trainable, frozen, ids, mask, rng):
         cond = policy.pipe.encode(frozen["text"], ids, mask)
         null = policy.pipe.null_condition(frozen["text"], ids.shape[0])
-        velocity = rollout_lib.guided(policy.velocity_fn(policy.variables(trainable, frozen["dit"])), cond, null, s.cfg)
+        velocity = rollout_lib.guided(policy.velocity_fn(policy.sampling_variables(trainable, frozen["dit"])), cond, null, s.cfg)
         k_noise, k_steps = jax.random.split(rng)
         x_T = rollout_lib.initial_noise(k_noise, policy.pipe.image_shape(ids.shape[0]), t.group_size, s.same_noise_per_group)
         ro = rollout_lib.rollout(velocity, x_T, sigmas, levels, k_steps, s.kind, policy.pipe.dit.patch_size, s.logprob_form)
@@ -187,7 +191,7 @@ def make_completion_fn(policy: Policy, config):
         x = states.reshape((b * m,) + states.shape[2:])
         start = jnp.tile(jnp.asarray(steps, jnp.int32), b)
         repeat = lambda tree: jax.tree_util.tree_map(lambda a: jnp.repeat(a, m, axis=0), tree)  # noqa: E731
-        velocity = rollout_lib.guided(policy.velocity_fn(policy.variables(trainable, frozen["dit"])), repeat(cond), repeat(null), s.cfg)
+        velocity = rollout_lib.guided(policy.velocity_fn(policy.sampling_variables(trainable, frozen["dit"])), repeat(cond), repeat(null), s.cfg)
 
         def step(x, i):
             mean, _, _ = kernels.transition("ode", velocity, x, sigmas[i], sigmas[i + 1], 0.0, sigmas[1])
@@ -322,7 +326,7 @@ class Steps:
         self.complete = jax.jit(make_completion_fn(policy, config), static_argnums=5)
         self._reward_gradient = None
         self.update = jax.jit(make_update_fn(policy, optimizer, config, reward_apply), out_shardings=(self.shardings, None),
-                              donate_argnums=0)
+                              donate_argnums=0, compiler_options=compiler.backward_options())
         self.update_old_policy = jax.jit(update_old_policy, out_shardings=self.shardings, donate_argnums=0)
         self.slots = training_slots(config)
         batch = t_cfg.prompts_per_iteration * t_cfg.group_size

@@ -94,3 +94,42 @@ def test_hand_flop_count_matches_xla_cost_analysis(tiny_model, tiny_params):
     xla_flops = (xla[0] if isinstance(xla, list) else xla)["flops"]
     hand = flops.forward_flops(model, params, 4, 8, 8, 6)
     assert abs(hand - xla_flops) / xla_flops < 0.1, (hand, xla_flops)
+
+
+def test_attention_equals_jax_dot_product_attention_with_gradients():
+    """The CPU-laid-out attention (heads-major, output normalized after PV) is softmax attention."""
+    from flowrl_jax.models.mmdit import attention
+
+    q, k, v, g = (jax.random.normal(key, (3, 11, 2, 8)) for key in jax.random.split(jax.random.PRNGKey(0), 4))
+    q = 4 * q  # large logits: the max-subtraction matters
+    np.testing.assert_allclose(attention(q, k, v), jax.nn.dot_product_attention(q, k, v), atol=1e-5)
+    ours = jax.grad(lambda *a: jnp.sum(attention(*a) * g), argnums=(0, 1, 2))(q, k, v)
+    ref = jax.grad(lambda *a: jnp.sum(jax.nn.dot_product_attention(*a) * g), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(ours, ref):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+@pytest.mark.parametrize("width,rank", [(8, 4), (64, 2)])
+def test_lora_dense_merged_or_not_is_x_w_plus_scaled_x_a_b(width, rank):
+    """Dense with adapters, whichever way `merge_lora_in_forward` picks (8/r4 merges, 64/r2 does not), equals
+    `x W + bias + (alpha / r) x a b` in value and in the gradients w.r.t. a and b."""
+    from flowrl_jax.models.mmdit import Dense, merge_lora_in_forward
+
+    assert merge_lora_in_forward(width, width, rank) == (width == 8)
+    keys = jax.random.split(jax.random.PRNGKey(1), 5)
+    layer = Dense(width, lora_alpha=3.0)
+    x = jax.random.normal(keys[0], (2, 5, width))
+    params = {"kernel": jax.random.normal(keys[1], (width, width)), "bias": jax.random.normal(keys[2], (width,))}
+    adapters = {"a": jax.random.normal(keys[3], (width, rank)), "b": jax.random.normal(keys[4], (rank, width))}
+
+    def ours(ad):
+        return layer.apply({"params": params, "lora": ad}, x)
+
+    def by_hand(ad):
+        return x @ params["kernel"] + params["bias"] + (3.0 / rank) * (x @ ad["a"]) @ ad["b"]
+
+    np.testing.assert_allclose(ours(adapters), by_hand(adapters), rtol=1e-5, atol=1e-5)
+    g1 = jax.grad(lambda ad: jnp.sum(jnp.sin(ours(ad))))(adapters)
+    g2 = jax.grad(lambda ad: jnp.sum(jnp.sin(by_hand(ad))))(adapters)
+    for name in ("a", "b"):
+        np.testing.assert_allclose(g1[name], g2[name], rtol=1e-4, atol=1e-4)
