@@ -8,8 +8,10 @@ credit and update that `python -m flowrl_jax.main` runs) and `torch_reference.To
 side (A/B/C, A/B/C, ...) `--repeats` times after a warm-up; the warm-up minus the median is the compile time.
 An iteration is: rollout (B images, T steps, CFG in one doubled batch, the SDE window) -> the exact
 evaluator's reward on the host -> group advantages -> one optimizer step per minibatch of (sample, step)
-pairs. Both sides get the same prompts, the same reward function and the same minibatch order; torch gets
-`torch.set_num_threads(os.cpu_count())` and takes the text condition from our (frozen) text encoder.
+pairs. Both sides get the same prompts, the same reward function and the same minibatch order, and both keep
+every sample (the train loop drops samples without advantage; their number differs between the two sides'
+rollouts, so the timed work would too); torch gets `torch.set_num_threads(os.cpu_count())` and takes the text
+condition from our (frozen) text encoder.
 
 - `quickstart`: `configs/quickstart.py` as it is: the shipped `shapes32` DiT (64 tokens, width 128, depth 6),
   LoRA rank 32, 8 prompts x 12 images, 10 steps, SDE on steps 0-1, CFG 3, 2 minibatches of 96 pairs.
@@ -20,8 +22,10 @@ FLOPs are the hand count of `flowrl_jax/models/flops.py` (dense, attention, unme
 rollout = T x forward(2B rows); an update on M pairs = the policy's forward(2M) + its backward + the KL
 reference's forward(2M) without adapters. With the base weights frozen the backward computes input gradients
 only: dense x 1, attention x 2 (the two products' two operand gradients), LoRA x 2 (its inputs and its
-weights), so an update is `3 dense + 4 attention + 3 lora` of a 2M-row forward. The machine's limit is a
-float32 `jnp.dot` of two 2048 x 2048 matrices (and torch's `@`), timed in the same run.
+weights), so an update is `3 dense + 4 attention + 3 lora` of a 2M-row forward. Both sides are charged this
+count (the algorithm as PEFT runs it); flowrl_jax merges the adapters into the kernels at these widths
+(`mmdit.merge_lora_in_forward`) and so does more arithmetic than counted. The machine's limit is a float32
+`jnp.dot` of two 2048 x 2048 matrices (and torch's `@`), timed in the same run.
 Writes benchmarks/results/compare_torch.json.
 """
 from __future__ import annotations
@@ -117,20 +121,22 @@ def jax_rollout(pair: Pair, prompts: list[dict], it: int):
 
 
 def jax_updates(pair: Pair, ro, cond, null, reward: np.ndarray, it: int):
-    """Group advantages and one update per minibatch (the train loop's order) -> (adv [B], [stats per update])."""
+    """Group advantages and one update per minibatch (the train loop's order, every sample kept)
+    -> (adv [B, T, 1], [stats per update])."""
     t = pair.config.train
     gids = np.repeat(np.arange(t.prompts_per_iteration, dtype=np.int32), t.group_size)
     steps = pair.steps
-    adv, _, keep = steps.credit(ro, parallel.shard_batch(reward.astype(np.float32), pair.mesh), parallel.shard_batch(gids, pair.mesh),
-                                t.prompts_per_iteration, steps.state["credit"], {})
+    adv, _, _ = steps.credit(ro, parallel.shard_batch(reward.astype(np.float32), pair.mesh), parallel.shard_batch(gids, pair.mesh),
+                             t.prompts_per_iteration, steps.state["credit"], {})
     stats = []
-    for rows, slots, weight in minibatch_order(pair, np.asarray(keep), it):
+    for rows, slots, weight in minibatch_order(pair, it):
         steps.state, s = steps.update(steps.state, steps.frozen, ro, adv, cond, null, rows, slots, weight, {})
         stats.append(s)
     return adv, stats
 
 
-def minibatch_order(pair: Pair, keep: np.ndarray, it: int):
+def minibatch_order(pair: Pair, it: int):
+    keep = np.ones(pair.batch, bool)
     return train.minibatches(keep, pair.steps.slots, pair.steps.minibatch_size, np.random.default_rng([pair.config.seed, it, 0]))
 
 
@@ -144,12 +150,11 @@ def torch_schedule(config):
 
 
 def torch_updates(pair: Pair, side, ro: dict, cond, null, reward: np.ndarray, it: int):
-    """The same as `jax_updates` on the torch side (same advantages formula, kept samples and minibatch order)."""
+    """The same as `jax_updates` on the torch side (same advantages formula and minibatch order)."""
     adv = tr.group_advantages(torch.from_numpy(reward.astype(np.float32)), pair.config.train.group_size,
                               pair.config.advantage.global_std, pair.config.advantage.clip)
-    keep = (adv != 0).numpy()
     stats = [side.update(ro, adv, cond, null, torch.from_numpy(rows).long(), torch.from_numpy(slots).long(), torch.from_numpy(weight))
-             for rows, slots, weight in minibatch_order(pair, keep, it)]
+             for rows, slots, weight in minibatch_order(pair, it)]
     return adv, stats
 
 

@@ -90,7 +90,7 @@ class _FakePolicy:
     def __init__(self, base):
         self.base = base
 
-    def variables(self, trainable, frozen_dit):
+    def sampling_variables(self, trainable, frozen_dit):
         return trainable
 
     def velocity_fn(self, theta):

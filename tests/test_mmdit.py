@@ -111,7 +111,7 @@ def test_attention_equals_jax_dot_product_attention_with_gradients():
 
 @pytest.mark.parametrize("width,rank", [(8, 4), (64, 2)])
 def test_lora_dense_merged_or_not_is_x_w_plus_scaled_x_a_b(width, rank):
-    """Dense with adapters, whichever way `merge_lora_in_forward` picks (8/r4 merges, 64/r2 does not), equals
+    """Dense with adapters, whichever way `merge_lora_in_forward` picks (8 at r 4 merges, 64 at r 2 does not), equals
     `x W + bias + (alpha / r) x a b` in value and in the gradients w.r.t. a and b."""
     from flowrl_jax.models.mmdit import Dense, merge_lora_in_forward
 

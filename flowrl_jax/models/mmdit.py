@@ -147,11 +147,12 @@ class Dense(nn.Module):
 
 
 def merge_lora_in_forward(d_in: int, d_out: int, rank: int) -> bool:
-    """Whether a LoRA layer runs as one matmul with `W + s a b` (True) or as `x W + s (x a) b`: merged, the
-    backward pays a weight gradient `2 rows d_in d_out`; unmerged, the adapters cost `2 rows r (d_in + d_out)`
-    forward and twice that backward (and skinny `[rows, r]` matmuls run far below the machine's peak).
-    Merge when `d_in d_out <= 3 r (d_in + d_out)`: width 128 at r = 32 merges, SD3's 1536 does not."""
-    return d_in * d_out <= 3 * rank * (d_in + d_out)
+    """Whether a LoRA layer runs as one matmul with `W + s a b` (True) or as `x W + s (x a) b`. Merged, the
+    backward pays a weight gradient, `2 rows d_in d_out` FLOPs; unmerged, the adapters cost `2 rows r (d_in + d_out)`
+    forward and twice that backward, in skinny `[rows, r]` matmuls that ran ~3x below the machine's peak on CPU.
+    Merge when `d_in d_out <= 9 r (d_in + d_out)`: widths 128 and 512 at r = 32 merge (measured faster, issue 7
+    in WORKSPACE_NOTES.md), SD3's 1536 does not."""
+    return d_in * d_out <= 9 * rank * (d_in + d_out)
 
 
 class RMSNorm(nn.Module):
