@@ -195,7 +195,7 @@ def make_completion_fn(policy: Policy, config):
 
         def step(x, i):
             mean, _, _ = kernels.transition("ode", velocity, x, sigmas[i], sigmas[i + 1], 0.0, sigmas[1])
-            return jnp.where(kernels._col(i >= start, x), mean, x), None
+            return jnp.where(kernels.column(i >= start, x), mean, x), None
 
         x, _ = jax.lax.scan(step, x, jnp.arange(min(steps), s.num_steps))
         return x.reshape(states.shape)

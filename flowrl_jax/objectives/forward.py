@@ -28,7 +28,7 @@ def forward_pairs(ro, adv, cond, null_cond, rows, slots, weight, key, times) -> 
     x0 = ro.final[rows]
     t = times[slots]
     eps = jax.random.normal(key, x0.shape, x0.dtype)
-    x_t = kernels._col(1.0 - t, x0) * x0 + kernels._col(t, x0) * eps
+    x_t = kernels.column(1.0 - t, x0) * x0 + kernels.column(t, x0) * eps
     per_sample = adv.mean(axis=(1, 2))
     pick = lambda tree: jax.tree_util.tree_map(lambda a: a[rows], tree)  # noqa: E731
     return {"x0": x0, "eps": eps, "x_t": x_t, "t": t, "adv": per_sample[rows], "adv_floor": jnp.max(-per_sample),

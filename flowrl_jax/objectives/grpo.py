@@ -63,7 +63,7 @@ def _per_step(values, weight, steps, num_steps):
 def path_variance(mean, mean_old, std, patch_size: int):
     """Measured `V` per token `[M, N]`: `mean_e (mu - mu_old)^2 / std^2` over each token's elements (0 where
     std = 0); the per-sample V is its token mean."""
-    s = kernels._col(jnp.where(std > 0, std, 1.0), mean)
+    s = kernels.column(jnp.where(std > 0, std, 1.0), mean)
     v_tok = patchify(jnp.square(mean - mean_old) / s**2, patch_size).mean(-1)
     return jnp.where((std > 0)[:, None], v_tok, 0.0)
 
@@ -124,13 +124,13 @@ def clipped_loss(params, ref_params, mb: dict, mean_fn, options, lambda_control:
         ref_mean, _, _ = mean_fn(ref_params, mb)
         ref_mean = jax.lax.stop_gradient(ref_mean)
         kl_std = std if options.kl_form == "exact" else std / jnp.sqrt(mb["sigma"] - mb["sigma_next"])
-        kl_std = kernels._col(jnp.where(std > 0, kl_std, 1.0), mean)
+        kl_std = kernels.column(jnp.where(std > 0, kl_std, 1.0), mean)
         kl_pair = jnp.mean(jnp.square(mean - ref_mean) / (2 * kl_std**2), axis=(1, 2, 3))
         kl = jnp.sum(w * kl_pair) / total_w
     loss = policy_loss + options.beta * kl
 
     if affine:  # the prediction from the kernel's coefficient and the velocity change
-        v_old = (mb["x"] - mb["x0_hat"]) / kernels._col(mb["sigma"], mb["x"])
+        v_old = (mb["x"] - mb["x0_hat"]) / kernels.column(mb["sigma"], mb["x"])
         kappa = step_cost(options.kernel, mb["sigma"], mb["sigma_next"], mb["level"], mb["sigma_1"])
         v_pred = jnp.where(std > 0, kappa, 0.0) * jnp.mean(jnp.square(v - v_old), axis=(1, 2, 3))
     else:

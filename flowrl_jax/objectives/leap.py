@@ -41,10 +41,10 @@ def leap_pairs(ro, cond, null_cond, rows, weight, key, extras) -> dict:
 def two_leaps(velocity, x_k, x_j, x0, sigma_k, sigma_j, gamma: float):
     """-> (x~_0, x^_j) [M, H, W, C] (module doc); `velocity(x, sigma [M]) -> v`."""
     sg = jax.lax.stop_gradient
-    x_j_hat = x_k - kernels._col(sigma_k - sigma_j, x_k) * velocity(x_k, sigma_k)
+    x_j_hat = x_k - kernels.column(sigma_k - sigma_j, x_k) * velocity(x_k, sigma_k)
     x_j_tilde = x_j_hat + sg(x_j - x_j_hat)
     u = gamma * x_j_tilde + (1.0 - gamma) * sg(x_j_tilde)
-    x0_hat = u - kernels._col(sigma_j, u) * velocity(u, sigma_j)
+    x0_hat = u - kernels.column(sigma_j, u) * velocity(u, sigma_j)
     return x0_hat + sg(x0 - x0_hat), x_j_hat
 
 

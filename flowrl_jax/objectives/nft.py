@@ -35,7 +35,7 @@ def nft_terms(v, v_old, x_t, x0, t, r, b: float):
     """Per-pair NFT loss [M] (module doc) from the policy's and the old policy's velocities [M, H, W, C]."""
     v_old = jax.lax.stop_gradient(v_old)
     axes = tuple(range(1, x_t.ndim))
-    t = kernels._col(t, x_t)
+    t = kernels.column(t, x_t)
     x0_pos = x_t - t * (b * v + (1 - b) * v_old)
     x0_neg = x_t - t * ((1 + b) * v_old - b * v)
     w_pos = jax.lax.stop_gradient(jnp.maximum(jnp.mean(jnp.abs(x0_pos - x0), axes), 1e-5))

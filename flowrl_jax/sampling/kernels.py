@@ -31,7 +31,7 @@ KINDS = ("ode", "sde", "cps", "lc")
 LOGPROB_FORMS = ("gaussian", "cps_compat")
 
 
-def _col(s, x):
+def column(s, x):
     """Per-sample [B] (or scalar) -> broadcastable against x [B, ...]."""
     s = jnp.asarray(s, x.dtype)
     return s.reshape(s.shape + (1,) * (x.ndim - s.ndim)) if s.ndim else s
@@ -62,19 +62,19 @@ def affine_coefficients(kind: str, sigma, sigma_next, a, sigma_1):
 def lc_step(velocity: Callable, x, v, sigma, sigma_next, a):
     """LC-GRPO (SPEC §1): `y = x + v dt`; `score = -(y + (1 - sigma') v(y, sigma')) / sigma'`,
     `delta = 0.5 (a sigma')^2`, `mean = y + delta score`, `std = sqrt(2 delta) = a sigma'`."""
-    y = x + _col(sigma_next - sigma, x) * v
+    y = x + column(sigma_next - sigma, x) * v
     active = a * sigma_next > 0
     safe_next = jnp.where(active, sigma_next, 1.0)
 
     def corrected(y):
         v_y = velocity(y, safe_next)
-        score = -(y + _col(1.0 - safe_next, y) * v_y) / _col(safe_next, y)
-        return y + _col(0.5 * (a * safe_next) ** 2, y) * score
+        score = -(y + column(1.0 - safe_next, y) * v_y) / column(safe_next, y)
+        return y + column(0.5 * (a * safe_next) ** 2, y) * score
 
     if jnp.ndim(active) == 0:  # one step for the whole batch: skip the second call where it is Euler
         mean = jax.lax.cond(active, corrected, lambda y: y, y)
     else:
-        mean = jnp.where(_col(active, y), corrected(y), y)
+        mean = jnp.where(column(active, y), corrected(y), y)
     return mean, jnp.where(active, a * sigma_next, 0.0)
 
 
@@ -89,12 +89,12 @@ def transition(kind: str, velocity: Callable, x, sigma, sigma_next, a, sigma_1):
         mean, std = lc_step(velocity, x, v, sigma, sigma_next, a)
         return mean, std, v
     c_x, c_v, std = affine_coefficients(kind, sigma, sigma_next, a, sigma_1)
-    return _col(c_x, x) * x + _col(c_v, x) * v, std, v
+    return column(c_x, x) * x + column(c_v, x) * v, std, v
 
 
 def element_logprob(x_next, mean, std):
     """Per-element Gaussian log-density `-(x' - mu)^2 / (2 std^2) - log std - 0.5 log(2 pi)`; std [B]."""
-    s = _col(std, x_next)
+    s = column(std, x_next)
     return -jnp.square(x_next - mean) / (2 * s**2) - jnp.log(s) - 0.5 * math.log(2 * math.pi)
 
 

@@ -90,9 +90,9 @@ def rollout(velocity: Callable, x_T, sigmas, levels, rng, kind: str = "sde", pat
     def step(x, inputs):
         sigma, sigma_next, a, key = inputs
         mean, std, v = kernels.transition(kind, velocity, x, sigma, sigma_next, a, sigma_1)
-        x_next = mean + kernels._col(std, x) * jax.random.normal(key, x.shape, x.dtype)
+        x_next = mean + kernels.column(std, x) * jax.random.normal(key, x.shape, x.dtype)
         logp = kernels.token_logprob(x_next, mean, std, patch_size, logprob_form)
-        x0_hat = x - kernels._col(jnp.broadcast_to(sigma, std.shape), x) * v
+        x0_hat = x - kernels.column(jnp.broadcast_to(sigma, std.shape), x) * v
         return x_next, (x, x_next, mean, std, logp, x0_hat)
 
     _, outs = jax.lax.scan(step, x_T, (sigmas[:-1], sigmas[1:], levels, keys))
