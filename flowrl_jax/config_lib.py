@@ -71,10 +71,10 @@ def train_config() -> ConfigDict:
     cfg.curriculum = dict(enabled=False, **curriculum.DEFAULTS)  # AdaGRPO's prompt curriculum, SPEC §5
     # objective.name: grpo | lambda_grpo | advantage_flow | nft | leapalign (objectives/__init__.py); the fields after
     # kl_form belong to the forward-process objectives (timesteps: time slots per sample; train_cfg: the CFG scale of
-    # the velocity they train, 0 = the sampler's, 1 = the conditional velocity; beta0: AdvantageFlow; nft_beta,
+    # the velocity they train, 0 = the sampler's, 1 = the conditional velocity; beta0, af_regularizer: AdvantageFlow; nft_beta,
     # beta_kl: DiffusionNFT) and LeapAlign (gamma, tau; it uses train_cfg too), SPEC §6
     cfg.objective = dict(name="grpo", clip_range=1e-4, beta=0.04, ratio="sample", kl_form="exact",
-                         timesteps=4, train_cfg=0.0, beta0=1.0, nft_beta=1.0, beta_kl=0.0, gamma=0.5, tau=0.01)
+                         timesteps=4, train_cfg=0.0, beta0=1.0, af_regularizer="rollout_velocity", nft_beta=1.0, beta_kl=0.0, gamma=0.5, tau=0.01)
     cfg.eval = dict(every=50, at_start=True, per_category=0, samples_per_prompt=1, batch_size=210, num_steps=20, cfg=3.0, shift=1.0,
                     learned_reward=False)  # learned_reward: also score the eval images with the shipped learned reward
     cfg.checkpoint = dict(every=25, keep=3)

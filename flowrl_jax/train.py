@@ -17,6 +17,7 @@ reward or loss stops the run naming the step and the quantity, keeping the last 
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -37,7 +38,7 @@ from flowrl_jax.credit import spatial
 from flowrl_jax.credit.context import Context
 from flowrl_jax.data import curriculum, shapes
 from flowrl_jax.models import lora
-from flowrl_jax.objectives import OBJECTIVES, forward, grpo, leap, nft
+from flowrl_jax.objectives import OBJECTIVES, advantage_flow, forward, grpo, leap
 from flowrl_jax.sampling import kernels, rollout as rollout_lib, schedule
 
 
@@ -153,7 +154,7 @@ def make_update_fn(policy: Policy, optimizer, config, reward_apply: Callable | N
             mb, fn = forward.forward_pairs(ro, adv, cond, null, rows, slots, weight, key, times), fns
         else:
             mb, fn = {**leap.leap_pairs(ro, cond, null, rows, weight, key, extras), "reward_params": frozen["reward"]}, fns
-        if objective.old_policy:
+        if objective.old_policy is not None:
             mb["old_variables"] = policy.variables(state["old"], frozen["dit"])
         ref = {"params": frozen["dit"]}
 
@@ -173,9 +174,9 @@ def make_update_fn(policy: Policy, optimizer, config, reward_apply: Callable | N
     return update
 
 
-def update_old_policy(state):
-    """DiffusionNFT's old policy after an iteration: `old <- d old + (1 - d) params`, `d = min(0.001 step, 0.5)`."""
-    d = nft.old_policy_decay(state["step"].astype(jnp.float32))
+def update_old_policy(state, decay: Callable):
+    """The old policy after an iteration: `old <- d old + (1 - d) params`, `d = decay(step)` (objectives/__init__.py)."""
+    d = decay(state["step"].astype(jnp.float32))
     return {**state, "old": jax.tree_util.tree_map(lambda o, p: d * o + (1 - d) * p, state["old"], state["params"])}
 
 
@@ -310,7 +311,7 @@ class Steps:
             params = policy.init(self.frozen["dit"], r)
             state = {"step": jnp.zeros((), jnp.int32), "updates": jnp.zeros((), jnp.int32), "params": params, "ema": params,
                      "opt_state": optimizer.init(params), "credit": credit.init()}
-            if objective.old_policy:
+            if objective.old_policy is not None:
                 state["old"] = params
             if config.curriculum.enabled:
                 state["curriculum"] = jax.tree_util.tree_map(jnp.asarray, curriculum.init(num_prompts))
@@ -327,7 +328,8 @@ class Steps:
         self._reward_gradient = None
         self.update = jax.jit(make_update_fn(policy, optimizer, config, reward_apply), out_shardings=(self.shardings, None),
                               donate_argnums=0, compiler_options=compiler.backward_options())
-        self.update_old_policy = jax.jit(update_old_policy, out_shardings=self.shardings, donate_argnums=0)
+        self.update_old_policy = jax.jit(functools.partial(update_old_policy, decay=objective.old_policy),
+                                         out_shardings=self.shardings, donate_argnums=0)
         self.slots = training_slots(config)
         batch = t_cfg.prompts_per_iteration * t_cfg.group_size
         self.minibatch_size = -(-batch * len(self.slots) // t_cfg.minibatches)
@@ -362,6 +364,9 @@ def run(config, workdir: str | None) -> dict:
     if s_cfg.kind not in objective.kinds:
         raise ConfigError(f"sampler.kind={s_cfg.kind!r} cannot be trained on by objective {config.objective.name!r}; "
                           f"choose one of {', '.join(objective.kinds)}")
+    if config.objective.af_regularizer not in advantage_flow.REGULARIZERS:
+        raise ConfigError(f"unknown objective.af_regularizer {config.objective.af_regularizer!r}; "
+                          f"choose one of {', '.join(advantage_flow.REGULARIZERS)}")
     if s_cfg.kind == "ode" and s_cfg.same_noise_per_group:
         raise ConfigError("sampler.kind=ode with sampler.same_noise_per_group=True makes every image of a group the same "
                           "(no advantage to learn from): set --config.sampler.same_noise_per_group=False")
@@ -447,7 +452,7 @@ def run(config, workdir: str | None) -> dict:
                 group_ids = np.repeat(np.arange(t_cfg.prompts_per_iteration, dtype=np.int32), t_cfg.group_size)
                 ids, mask = pipe.tokenize([p["prompt"] for p in prompts])
                 ids, mask = parallel.shard_batch((ids[local], mask[local]), mesh)
-                rollout_params = state["old"] if objective.old_policy else state["params"]
+                rollout_params = state["old"] if objective.old_policy is not None else state["params"]
                 ro, cond, null = rollout_fn(rollout_params, frozen, ids, mask, jax.random.fold_in(it_rng, 0))
                 t1 = time.time()
 
@@ -478,7 +483,7 @@ def run(config, workdir: str | None) -> dict:
                         state, stats = update_fn(state, frozen, ro, adv, cond, null, rows, steps, weight, objective_extras)
                         step_stats.append(stats)
                 state = {**state, "step": state["step"] + 1}
-                if objective.old_policy:
+                if objective.old_policy is not None:
                     state = jitted.update_old_policy(state)
                 stats = {k: np.mean([np.asarray(s[k]) for s in step_stats], 0) for k in step_stats[0]} if step_stats else {}
                 _finite_or_stop({k: v for k, v in stats.items() if k in ("loss", "kl", "grad_norm")}, it + 1, "the", ckpt)

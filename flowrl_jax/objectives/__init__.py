@@ -8,7 +8,9 @@ The process says which minibatches the shared train loop builds and what `fn` is
   `fn` = `train.PolicyFns` (its `velocity`). `advantage_flow` and `nft` (SPEC §6).
 - `leap`: one pair per sample of an ODE rollout (`leap.leap_pairs`); `fn` = `train.PolicyFns` (its
   `velocity` and the learned `reward`). `leapalign` (SPEC §6).
-`old_policy`: the TrainState keeps `theta_old` (rollouts use it; DiffusionNFT's EMA schedule).
+`old_policy`: when set, the TrainState keeps `theta_old`, which draws the rollouts and follows the
+policy after each iteration by `old <- d old + (1 - d) theta`, `d = old_policy(step)`: DiffusionNFT's
+EMA schedule, or `d = 0` for AdvantageFlow (its anchor is the rollout policy's velocity).
 """
 from typing import Callable, NamedTuple
 
@@ -19,13 +21,13 @@ class Objective(NamedTuple):
     loss: Callable
     process: str                 # "reverse" | "forward" | "leap"
     kinds: tuple[str, ...]       # sampler kinds its rollouts may use
-    old_policy: bool = False
+    old_policy: Callable | None = None   # step -> decay d
 
 
 OBJECTIVES = {
     "grpo": Objective(grpo.clipped_loss, "reverse", ("sde", "cps", "lc")),
     "lambda_grpo": Objective(grpo.lambda_loss, "reverse", ("sde", "cps")),
-    "advantage_flow": Objective(advantage_flow.loss, "forward", ("ode", "sde", "cps", "lc")),
-    "nft": Objective(nft.loss, "forward", ("ode",), old_policy=True),
+    "advantage_flow": Objective(advantage_flow.loss, "forward", ("ode", "sde", "cps", "lc"), advantage_flow.rollout_policy_decay),
+    "nft": Objective(nft.loss, "forward", ("ode",), nft.old_policy_decay),
     "leapalign": Objective(leap.loss, "leap", ("ode",)),
 }

@@ -2,21 +2,37 @@
 
     loss, aux = advantage_flow.loss(variables, ref_variables, mb, fns, options)   # mb: forward.forward_pairs
 
-`L = mean_i (beta + A_i) ||v_theta(x_t^i, t_i) - (eps_i - x0^i)||^2` over the policy's own samples,
-`beta = max_i(-A_i) + beta0` (the max over the iteration's whole batch), so every weight is at least
-`beta0 > 0` and the loss is a non-negative combination of convex quadratics in `v`. The `beta` part is
-plain flow matching on the rollout policy's samples (it keeps the policy near them); the `A` part
-tilts it toward the better samples: the minimizer fits `q(x0) ~ pi_old(x0) (1 + A(x0) / beta)`.
+SPEC's form (`af_regularizer="samples"`): `L = mean_i (beta + A_i) ||v_theta(x_t^i, t_i) - u_i||^2`,
+`u_i = eps_i - x0^i`, over the policy's own samples, `beta = max_i(-A_i) + beta0` (the max over the
+iteration's whole batch), so every weight is at least `beta0 > 0` and the loss is a non-negative
+combination of convex quadratics in `v`. The `beta` part is plain flow matching on the rollout
+policy's samples; the `A` part tilts it toward the better samples: the minimizer fits
+`q(x0) ~ pi_old(x0) (1 + A(x0) / beta)`.
+
+The default (`af_regularizer="rollout_velocity"`, our cut, WORKSPACE_NOTES.md): the `beta` part's target
+`u_i` is replaced by the rollout policy's own velocity `v_old(x_t^i, t_i)`,
+`L = mean_i [beta ||v_theta - v_old||^2 + A_i ||v_theta - u_i||^2]`. When `v_old` is the exact
+flow of its samples, `v_old(x_t) = E[u | x_t]` and the two losses have the same expected gradient
+(so the same minimizer); the anchored one has no sampling noise in its `beta` part and does not fit the
+sampler's discretization error, which made SPEC's form drift to blank images in every setting tried.
+Per pair the Hessian in `v` is still `2 (beta + A_i) / D >= 2 beta0 / D`: convex.
 `||.||^2` is the mean over elements (our reading: it keeps `beta0` free of the image size). The
-velocity is the sampler's (CFG `sampler.cfg`), the policy that drew the samples.
+velocity is the sampler's (CFG `objective.train_cfg`), the policy that drew the samples.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from flowrl_jax.objectives.forward import weighted_mean
 
-DEFAULTS = {"beta0": 1.0}
+DEFAULTS = {"beta0": 1.0, "af_regularizer": "rollout_velocity"}
+REGULARIZERS = ("samples", "rollout_velocity")
+
+
+def rollout_policy_decay(step):
+    """The old policy is the rollout policy itself: `old <- params` after every iteration (d = 0)."""
+    return jnp.zeros_like(step)
 
 
 def pair_weights(adv, adv_floor, beta0: float):
@@ -24,21 +40,29 @@ def pair_weights(adv, adv_floor, beta0: float):
     return adv_floor + beta0 + adv
 
 
-def _pair_terms(v, target, adv, adv_floor, beta0: float):
-    """([M] squared flow-matching error, [M] pair weights)."""
-    return jnp.mean(jnp.square(v - target), axis=tuple(range(1, v.ndim))), pair_weights(adv, adv_floor, beta0)
+def _sq(a, b):
+    """[M] mean over elements of `(a - b)^2`."""
+    return jnp.mean(jnp.square(a - b), axis=tuple(range(1, a.ndim)))
 
 
-def weighted_flow_matching(v, target, adv, adv_floor, weight, beta0: float):
-    """The loss as a function of the velocity `v [M, H, W, C]` (convex in `v`)."""
-    sq, w = _pair_terms(v, target, adv, adv_floor, beta0)
-    return weighted_mean(w * sq, weight)
+def weighted_flow_matching(v, target, adv, adv_floor, weight, beta0: float, v_old=None):
+    """The loss as a function of the velocity `v [M, H, W, C]` (convex in `v`): SPEC's form, or the
+    anchored one when the rollout policy's velocity `v_old [M, H, W, C]` is given."""
+    if v_old is None:
+        return weighted_mean(pair_weights(adv, adv_floor, beta0) * _sq(v, target), weight)
+    beta = adv_floor + beta0
+    return weighted_mean(beta * _sq(v, jax.lax.stop_gradient(v_old)) + adv * _sq(v, target), weight)
 
 
 def loss(variables, ref_variables, mb: dict, fns, options):
     beta0 = float(options.get("beta0", DEFAULTS["beta0"]))
+    regularizer = options.get("af_regularizer", DEFAULTS["af_regularizer"])
     v = fns.velocity(variables, mb["x_t"], mb["t"], mb)
-    sq, w = _pair_terms(v, mb["eps"] - mb["x0"], mb["adv"], mb["adv_floor"], beta0)
-    return weighted_mean(w * sq, mb["weight"]), {"flow_matching": weighted_mean(sq, mb["weight"]),
-                                                 "pair_weight_mean": weighted_mean(w, mb["weight"]),
-                                                 "beta": mb["adv_floor"] + beta0}
+    target = mb["eps"] - mb["x0"]
+    v_old = fns.velocity(mb["old_variables"], mb["x_t"], mb["t"], mb) if regularizer == "rollout_velocity" else None
+    aux = {"flow_matching": weighted_mean(_sq(v, target), mb["weight"]),
+           "pair_weight_mean": weighted_mean(pair_weights(mb["adv"], mb["adv_floor"], beta0), mb["weight"]),
+           "beta": mb["adv_floor"] + beta0}
+    if v_old is not None:
+        aux["drift_from_rollout_policy"] = weighted_mean(_sq(v, v_old), mb["weight"])
+    return weighted_flow_matching(v, target, mb["adv"], mb["adv_floor"], mb["weight"], beta0, v_old), aux
