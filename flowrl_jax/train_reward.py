@@ -4,9 +4,13 @@
 
 Data (`rewards/learned.make_reward_data`): rendered scenes for their own or another prompt,
 corrupted scenes, and samples of the base model (`config.reward.base`) for train prompts at several
-CFG scales (so sample quality varies), all labelled by `shapes_eval.evaluate`. Held out: base-model
-samples with other seeds, for the *test* prompts (compositions the reward never saw generated) and
-for the train prompts (the RL loop's distribution), on which the Pearson correlations with the exact
+CFG scales (so sample quality varies), all labelled by `shapes_eval.evaluate`. Each batch is augmented
+(`Augmenter`): images mirrored left-right, prompts swapped for another of the same category, and the
+labels recomputed by the evaluator for what is shown; the loss is the score's BCE plus `count_weight` x
+the MSE of the image side's object counts per (shape, color) (`LearnedReward(with_counts=True)`). Held out: base-model
+samples with other seeds, for the *test* prompts (compositions never sampled for training) and
+for the train prompts (the RL loop's distribution; the swapped prompts may be test prompts, as the
+rendered scenes' are, but no held-out image is trained on), on which the Pearson correlations with the exact
 score are reported (bar: >= 0.8). With `reward.export`, writes the shipped asset
 `flowrl_jax/assets/<export>/` (params, tokenizer, model.json, 256 held-out samples of each kind in `heldout.npz`
 for the CI test, MANIFEST.json).
@@ -26,7 +30,7 @@ from tqdm import tqdm
 from flowrl_jax import assets, checkpoint, evaluate, metrics
 from flowrl_jax.config_lib import ConfigError
 from flowrl_jax.data import shapes
-from flowrl_jax.rewards import learned
+from flowrl_jax.rewards import learned, shapes_eval
 
 
 def generate(pipe, params, prompts: list[dict], n: int, samplers: dict, seed: int, batch_size: int = 96):
@@ -70,6 +74,38 @@ def reward_loss(pred, target, kind: str = "bce"):
     return -jnp.mean(target * jnp.log(p) + (1 - target) * jnp.log1p(-p))
 
 
+class Augmenter:
+    """Training batches with labels computed on the fly by the exact evaluator (`learned.Detections`):
+    each example is mirrored left-right with probability `flip`, and its prompt is swapped for a random
+    prompt of the same category (any of `shapes.all_specs`) with probability `relabel`; the score is the
+    evaluator's for the shown (image, prompt), the counts its detections per (shape, color)."""
+
+    def __init__(self, data: dict, tokenize, relabel: float, flip: float):
+        self.data, self.relabel, self.flip = data, relabel, flip
+        self.detections = learned.Detections(data["images"])
+        self.ids, self.mask = tokenize(data["prompts"])
+        self.universe = {c: shapes.all_specs(c) for c in shapes.CATEGORIES}
+        self.universe_tokens = {c: tokenize([shapes.format_prompt(q) for q in specs]) for c, specs in self.universe.items()}
+
+    def batch(self, idx: np.ndarray, rng: np.random.Generator) -> tuple[dict, list[dict]]:
+        """-> ({images [B, H, W, 3], ids, mask [B, L], score [B], counts [B, S + 1, K]}, the B specs shown)
+        for examples `idx`."""
+        n = len(idx)
+        flip = rng.random(n) < self.flip
+        images = self.data["images"][idx]
+        images[flip] = images[flip, :, ::-1]
+        specs = [self.data["specs"][i] for i in idx]
+        ids, mask = self.ids[idx], self.mask[idx]
+        for j in np.flatnonzero(rng.random(n) < self.relabel):
+            cat = specs[j]["category"]
+            pick = rng.integers(len(self.universe[cat]))
+            specs[j] = self.universe[cat][pick]
+            ids[j], mask[j] = self.universe_tokens[cat][0][pick], self.universe_tokens[cat][1][pick]
+        objects = self.detections.batch(idx, flip)
+        _, score = shapes_eval.score_objects(objects, specs)
+        return {"images": images, "ids": ids, "mask": mask, "score": score, "counts": learned.object_counts(objects, n)}, specs
+
+
 def pearson(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.corrcoef(a, b)[0, 1])
@@ -91,24 +127,32 @@ def run(config, workdir: str | None) -> dict:
     # held out: new samples for the test prompts (unseen compositions) and, with other seeds, for train prompts
     held = learned.make_reward_data(test, 0, rng, generated=samples("test", test, cfg.generated_test, config.seed + 2))
     held_train = learned.make_reward_data(train, 0, rng, generated=samples("heldout_train", train, cfg.generated_test, config.seed + 3))
-    ids, mask = pipe.tokenize(data["prompts"])
+    augment = Augmenter(data, pipe.tokenize, cfg.relabel_fraction, cfg.flip_fraction)
     held_ids, held_mask = pipe.tokenize(held["prompts"])
     held_train_ids, held_train_mask = pipe.tokenize(held_train["prompts"])
 
-    model = learned.LearnedReward(vocab_size=len(pipe.tokenizer), width=cfg.width, heads=cfg.heads, max_len=pipe.text.max_len)
-    params = model.init(jax.random.PRNGKey(config.seed), data["images"][:2], ids[:2], mask[:2])["params"]
+    model = learned.LearnedReward(vocab_size=len(pipe.tokenizer), width=cfg.width, heads=cfg.heads, max_len=pipe.text.max_len,
+                                  palette_features=cfg.palette_features)
+    with_counts = cfg.count_weight > 0
+    params = model.init(jax.random.PRNGKey(config.seed), data["images"][:2], augment.ids[:2], augment.mask[:2], with_counts)["params"]
     warmup = min(200, cfg.steps // 4)
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, cfg.steps, end_value=0.05 * cfg.lr)
     opt = optax.adamw(schedule, weight_decay=1e-4)
     opt_state = opt.init(params)
 
+    def loss_fn(p, batch):
+        if not with_counts:
+            return reward_loss(model.apply({"params": p}, batch["images"], batch["ids"], batch["mask"]), batch["score"], cfg.loss)
+        pred, counts = model.apply({"params": p}, batch["images"], batch["ids"], batch["mask"], True)
+        return reward_loss(pred, batch["score"], cfg.loss) + cfg.count_weight * jnp.mean(jnp.square(counts - batch["counts"]))
+
     @jax.jit
-    def step(params, opt_state, images, ids, mask, target):
-        loss, grads = jax.value_and_grad(lambda p: reward_loss(model.apply({"params": p}, images, ids, mask), target, cfg.loss))(params)
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    predict = jax.jit(lambda p, *a: model.apply({"params": p}, *a))
+    predict = jax.jit(lambda p, *a: model.apply({"params": p}, *a))  # the score alone
 
     def predict_all(p, images, ids, mask, bs=512):
         return np.concatenate([np.asarray(predict(p, images[i : i + bs], ids[i : i + bs], mask[i : i + bs])) for i in range(0, len(images), bs)])
@@ -120,7 +164,7 @@ def run(config, workdir: str | None) -> dict:
     n_gen = int(round(cfg.generated_fraction * cfg.batch_size)) if len(generated) else 0
     for i in (bar := tqdm(range(cfg.steps), desc="reward")):
         idx = np.concatenate([rng.choice(generated, n_gen), rng.choice(rendered, cfg.batch_size - n_gen)])
-        params, opt_state, loss = step(params, opt_state, data["images"][idx], ids[idx], mask[idx], data["score"][idx])
+        params, opt_state, loss = step(params, opt_state, augment.batch(idx, rng)[0])
         if (i + 1) % 100 == 0:
             bar.set_postfix(loss=f"{float(loss):.4f}")
             writer.scalars(i + 1, {"reward/loss": float(loss)})
@@ -146,7 +190,8 @@ def run(config, workdir: str | None) -> dict:
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
         with open(os.path.join(folder, "model.json"), "w") as f:
-            json.dump({"reward": {"vocab_size": model.vocab_size, "width": model.width, "heads": model.heads, "max_len": model.max_len}}, f, indent=2)
+            json.dump({"reward": {"vocab_size": model.vocab_size, "width": model.width, "heads": model.heads, "max_len": model.max_len,
+                                  "palette_features": model.palette_features}}, f, indent=2)
         pipe.tokenizer.save_pretrained(os.path.join(folder, "tokenizer"))
         checkpoint.save_params(os.path.join(folder, "params"), params)
         keep = [np.random.default_rng(0).permutation(len(h["score"]))[:256] for h in (held, held_train)]

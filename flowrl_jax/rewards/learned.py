@@ -5,13 +5,17 @@
 
 A small conv net turns the image into a feature map (8 x 8 cells at 32 x 32), a one-layer text
 transformer encodes the prompt, the text tokens cross-attend to the cells, and an MLP on the
-attended summary predicts the exact evaluator's partial-credit `score` (sigmoid output, MSE).
+attended summary predicts the exact evaluator's partial-credit `score` (sigmoid output). A second head on
+the image side alone (`with_counts`) predicts how many objects of each (shape, color) the evaluator detects,
+an auxiliary target during training (`train_reward.py`).
 It is what the gradient-based methods (spatial credit, LeapAlign) differentiate: `jax.grad` of its
 output w.r.t. the image is defined everywhere, unlike the evaluator's thresholds.
 
 Training data (`make_reward_data`): scenes rendered for their own prompt, scenes rendered for
 another prompt of any category, corrupted scenes (objects dropped or recoloured, blur, noise,
 blank), and base-model samples, each labelled by `shapes_eval.evaluate` against the prompt.
+`Detections` keeps the evaluator's detections per image so that training can mirror an image or
+show it with another prompt and still label it exactly, without detecting again.
 """
 from __future__ import annotations
 
@@ -24,16 +28,34 @@ from flowrl_jax.data import shapes
 from flowrl_jax.rewards import shapes_eval
 
 
+def palette_channels(images: jax.Array) -> jax.Array:
+    """[B, H, W, 3] -> [B, H, W, 3 + 2K]: the image, and per palette color k the evaluator's step-1 quantities
+    (`shapes_eval.segment`) in differentiable form: the coverage `a_k = clip(d . v_k / |v_k|^2, 0, 1)` and
+    the off-hue residual `|d - a_k v_k|^2 / |d|^2`, `d = pixel - background`, `v_k = color k - background`."""
+    bg = jnp.asarray(shapes.to_unit(shapes.BACKGROUND), jnp.float32)
+    v = jnp.asarray(np.stack([shapes.to_unit(shapes.PALETTE[c]) for c in shapes.COLORS]), jnp.float32) - bg  # [K, 3]
+    vv = (v * v).sum(1)
+    d = jnp.clip(images, -1.0, 1.0) - bg
+    proj = d @ v.T
+    a = jnp.clip(proj / vv, 0.0, 1.0)
+    dd = (d * d).sum(-1, keepdims=True)
+    residual = (dd - 2 * a * proj + a * a * vv) / (dd + 1e-3)
+    return jnp.concatenate([images, a, residual], axis=-1)
+
+
 class LearnedReward(nn.Module):
     vocab_size: int
     width: int = 64
     heads: int = 4
     max_len: int = 10
+    palette_features: bool = False  # feed `palette_channels(images)` instead of the bare pixels
 
     @nn.compact
-    def __call__(self, images: jax.Array, ids: jax.Array, mask: jax.Array) -> jax.Array:
+    def __call__(self, images: jax.Array, ids: jax.Array, mask: jax.Array, with_counts: bool = False):
+        """-> score [B] in (0, 1); with `with_counts` also (score, counts [B, S + 1, K]): the image side's
+        estimate of how many objects of each (shape or none, color) the evaluator detects (`object_counts`)."""
         w = self.width
-        h = images
+        h = palette_channels(images) if self.palette_features else images
         for i, features in enumerate((32, 64, w)):
             h = nn.gelu(nn.Conv(features, (3, 3), name=f"conv_{i}a")(h))
             h = nn.gelu(nn.Conv(features, (3, 3), strides=(2, 2) if i < 2 else (1, 1), name=f"conv_{i}b")(h))
@@ -50,7 +72,44 @@ class LearnedReward(nn.Module):
         m = mask[..., None].astype(t.dtype)
         summary = jnp.concatenate([(t * m).sum(1) / m.sum(1), t[:, 0]], axis=-1)
         out = nn.Dense(1, name="head")(nn.gelu(nn.Dense(w, name="head_hidden")(summary)))
-        return jax.nn.sigmoid(out[:, 0])
+        score = jax.nn.sigmoid(out[:, 0])
+        if not with_counts:
+            return score
+        s, k = len(shapes.SHAPES) + 1, len(shapes.COLORS)
+        counts = nn.Dense(s * k, name="count_head")(nn.gelu(nn.Dense(w, name="count_hidden")(cells.mean(1))))
+        return score, counts.reshape(b, s, k)
+
+
+def object_counts(objects: dict, num_images: int, cap: int = 4) -> np.ndarray:
+    """[B, S + 1, K] float32: detected objects per (shape, color), shape index S = none of the shapes
+    (clutter), capped at `cap`; `objects` as `shapes_eval.detect` returns them."""
+    s, k = len(shapes.SHAPES), len(shapes.COLORS)
+    hist = np.zeros((num_images, s + 1, k), np.float32)
+    shape = np.where(np.asarray(objects["shape"]) >= 0, objects["shape"], s)
+    np.add.at(hist, (np.asarray(objects["image"]), shape, np.asarray(objects["color"])), 1)
+    return np.minimum(hist, cap)
+
+
+class Detections:
+    """The exact evaluator's detections of a fixed image set, indexed by image, so that any image can be
+    scored against any prompt, mirrored left-right, without detecting again (`batch`)."""
+
+    def __init__(self, images: np.ndarray):
+        objects = shapes_eval.detect(images)
+        order = np.argsort(objects["image"], kind="stable")
+        self.objects = {key: np.asarray(v)[order] for key, v in objects.items()}
+        self.starts = np.searchsorted(self.objects["image"], np.arange(len(images) + 1))
+        self.width = images.shape[2]
+
+    def batch(self, idx: np.ndarray, flip: np.ndarray) -> dict:
+        """The objects of images `idx [B]` renumbered 0..B-1, `cx` mirrored where `flip [B]`. A left-right
+        mirror changes no shape feature (the moments used are even in x or vertical only), only `cx`."""
+        rows = [np.arange(self.starts[i], self.starts[i + 1]) for i in idx]
+        take = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+        out = {key: v[take] for key, v in self.objects.items()}
+        out["image"] = np.repeat(np.arange(len(idx)), [len(r) for r in rows])
+        out["cx"] = np.where(np.repeat(flip, [len(r) for r in rows]), self.width - out["cx"], out["cx"])
+        return out
 
 
 def corrupt(image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -79,7 +138,7 @@ def make_reward_data(prompts: list[dict], n: int, rng: np.random.Generator, size
                      generated: tuple[np.ndarray, list[dict]] | None = None) -> dict:
     """`n` rendered examples (40% own prompt, 35% another prompt, 25% corrupted), plus the
     `generated` (images, prompt rows) pairs if given, labelled with the exact evaluator's score.
-    Returns {"images" [M, H, W, 3], "prompts" [M] str, "score" [M], "source" [M] str}."""
+    Returns {"images" [M, H, W, 3], "prompts" [M] str, "specs" [M], "score" [M], "source" [M] str}."""
     images, rows, source = [], [], []
     for _ in range(n):
         target = prompts[rng.integers(len(prompts))]
@@ -97,4 +156,5 @@ def make_reward_data(prompts: list[dict], n: int, rng: np.random.Generator, size
         rows = rows + list(generated[1])
         source = source + ["generated"] * len(generated[1])
     score = shapes_eval.evaluate(images, [r["spec"] for r in rows])["score"]
-    return {"images": images, "prompts": [r["prompt"] for r in rows], "score": np.asarray(score, np.float32), "source": np.array(source)}
+    return {"images": images, "prompts": [r["prompt"] for r in rows], "specs": [r["spec"] for r in rows],
+            "score": np.asarray(score, np.float32), "source": np.array(source)}
