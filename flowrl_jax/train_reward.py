@@ -82,7 +82,7 @@ class Augmenter:
 
     def __init__(self, data: dict, tokenize, relabel: float, flip: float):
         self.data, self.relabel, self.flip = data, relabel, flip
-        self.detections = learned.Detections(data["images"])
+        self.detections = data["detections"]
         self.ids, self.mask = tokenize(data["prompts"])
         self.universe = {c: shapes.all_specs(c) for c in shapes.CATEGORIES}
         self.universe_tokens = {c: tokenize([shapes.format_prompt(q) for q in specs]) for c, specs in self.universe.items()}

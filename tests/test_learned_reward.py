@@ -49,6 +49,7 @@ def test_augmented_batches_carry_the_evaluator_s_labels_of_what_they_show():
             counts[b, s, shapes.COLORS.index(o["color"])] += 1
     np.testing.assert_array_equal(batch["counts"], np.minimum(counts, 4))
     assert batch["counts"][:, -1].sum() > 0  # some clutter among the corrupted scenes
+    np.testing.assert_array_equal(data["score"], shapes_eval.evaluate(data["images"], data["specs"])["score"])
     plain = Augmenter(data, lambda prompts: text.tokenize(tokenizer, prompts, 10), relabel=0.0, flip=0.0)
     np.testing.assert_array_equal(plain.batch(idx, np.random.default_rng(3))[0]["score"], data["score"][idx])
 

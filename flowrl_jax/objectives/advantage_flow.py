@@ -45,24 +45,29 @@ def _sq(a, b):
     return jnp.mean(jnp.square(a - b), axis=tuple(range(1, a.ndim)))
 
 
+def _pair_terms(v, target, adv, adv_floor, beta0: float, v_old=None):
+    """([M] squared flow-matching error `||v - u||^2`, [M] per-pair loss `beta ||v - anchor||^2 + A ||v - u||^2`),
+    the anchor being the target `u` itself (SPEC's form: `(beta + A) ||v - u||^2`) or `v_old` when given."""
+    sq = _sq(v, target)
+    anchor = sq if v_old is None else _sq(v, jax.lax.stop_gradient(v_old))
+    return sq, (adv_floor + beta0) * anchor + adv * sq
+
+
 def weighted_flow_matching(v, target, adv, adv_floor, weight, beta0: float, v_old=None):
     """The loss as a function of the velocity `v [M, H, W, C]` (convex in `v`): SPEC's form, or the
     anchored one when the rollout policy's velocity `v_old [M, H, W, C]` is given."""
-    if v_old is None:
-        return weighted_mean(pair_weights(adv, adv_floor, beta0) * _sq(v, target), weight)
-    beta = adv_floor + beta0
-    return weighted_mean(beta * _sq(v, jax.lax.stop_gradient(v_old)) + adv * _sq(v, target), weight)
+    return weighted_mean(_pair_terms(v, target, adv, adv_floor, beta0, v_old)[1], weight)
 
 
 def loss(variables, ref_variables, mb: dict, fns, options):
     beta0 = float(options.get("beta0", DEFAULTS["beta0"]))
     regularizer = options.get("af_regularizer", DEFAULTS["af_regularizer"])
     v = fns.velocity(variables, mb["x_t"], mb["t"], mb)
-    target = mb["eps"] - mb["x0"]
     v_old = fns.velocity(mb["old_variables"], mb["x_t"], mb["t"], mb) if regularizer == "rollout_velocity" else None
-    aux = {"flow_matching": weighted_mean(_sq(v, target), mb["weight"]),
+    sq, per_pair = _pair_terms(v, mb["eps"] - mb["x0"], mb["adv"], mb["adv_floor"], beta0, v_old)
+    aux = {"flow_matching": weighted_mean(sq, mb["weight"]),
            "pair_weight_mean": weighted_mean(pair_weights(mb["adv"], mb["adv_floor"], beta0), mb["weight"]),
            "beta": mb["adv_floor"] + beta0}
     if v_old is not None:
         aux["drift_from_rollout_policy"] = weighted_mean(_sq(v, v_old), mb["weight"])
-    return weighted_flow_matching(v, target, mb["adv"], mb["adv_floor"], mb["weight"], beta0, v_old), aux
+    return weighted_mean(per_pair, mb["weight"]), aux

@@ -13,7 +13,7 @@ output w.r.t. the image is defined everywhere, unlike the evaluator's thresholds
 
 Training data (`make_reward_data`): scenes rendered for their own prompt, scenes rendered for
 another prompt of any category, corrupted scenes (objects dropped or recoloured, blur, noise,
-blank), and base-model samples, each labelled by `shapes_eval.evaluate` against the prompt.
+blank), and base-model samples, each labelled by the exact evaluator against the prompt.
 `Detections` keeps the evaluator's detections per image so that training can mirror an image or
 show it with another prompt and still label it exactly, without detecting again.
 """
@@ -138,7 +138,8 @@ def make_reward_data(prompts: list[dict], n: int, rng: np.random.Generator, size
                      generated: tuple[np.ndarray, list[dict]] | None = None) -> dict:
     """`n` rendered examples (40% own prompt, 35% another prompt, 25% corrupted), plus the
     `generated` (images, prompt rows) pairs if given, labelled with the exact evaluator's score.
-    Returns {"images" [M, H, W, 3], "prompts" [M] str, "specs" [M], "score" [M], "source" [M] str}."""
+    Returns {"images" [M, H, W, 3], "prompts" [M] str, "specs" [M], "score" [M], "source" [M] str,
+    "detections" (`Detections` of the images, for relabelling without detecting again)}."""
     images, rows, source = [], [], []
     for _ in range(n):
         target = prompts[rng.integers(len(prompts))]
@@ -155,6 +156,7 @@ def make_reward_data(prompts: list[dict], n: int, rng: np.random.Generator, size
         images = np.concatenate([images, generated[0].astype(np.float32)])
         rows = rows + list(generated[1])
         source = source + ["generated"] * len(generated[1])
-    score = shapes_eval.evaluate(images, [r["spec"] for r in rows])["score"]
+    detections = Detections(images)
+    _, score = shapes_eval.score_objects(detections.objects, [r["spec"] for r in rows])
     return {"images": images, "prompts": [r["prompt"] for r in rows], "specs": [r["spec"] for r in rows],
-            "score": np.asarray(score, np.float32), "source": np.array(source)}
+            "score": np.asarray(score, np.float32), "source": np.array(source), "detections": detections}
