@@ -118,7 +118,10 @@ def load_reward(name: str = "shapes32_reward"):
         raise FileNotFoundError(f"no shipped reward {name!r} in {ASSET_DIR}; train one with configs/train_reward.py")
     manifest = verify(folder)
     with open(os.path.join(folder, "model.json")) as f:
-        model = LearnedReward(**json.load(f)["reward"])
+        fields = json.load(f)["reward"]
+    if fields.get("mirror_ids") is not None:
+        fields["mirror_ids"] = tuple(fields["mirror_ids"])  # JSON has lists; module fields stay hashable
+    model = LearnedReward(**fields)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(folder, "tokenizer"))
     return model, checkpoint.load_params(os.path.join(folder, "params")), tokenizer, manifest
 

@@ -7,7 +7,8 @@ corrupted scenes, and samples of the base model (`config.reward.base`) for train
 CFG scales (so sample quality varies), all labelled by `shapes_eval.evaluate`. Each batch is augmented
 (`Augmenter`): images mirrored left-right, prompts swapped for another of the same category, and the
 labels recomputed by the evaluator for what is shown; the loss is the score's BCE plus `count_weight` x
-the MSE of the image side's object counts per (shape, color) (`LearnedReward(with_counts=True)`). Held out: base-model
+the MSE of the image side's object counts per (shape, color) (`LearnedReward(with_counts=True)`). Training sees one view
+per example; the model is evaluated and shipped averaging each image with its mirror (`mirror_average`). Held out: base-model
 samples with other seeds, for the *test* prompts (compositions never sampled for training) and
 for the train prompts (the RL loop's distribution; the swapped prompts may be test prompts, as the
 rendered scenes' are, but no held-out image is trained on), on which the Pearson correlations with the exact
@@ -131,8 +132,9 @@ def run(config, workdir: str | None) -> dict:
     held_ids, held_mask = pipe.tokenize(held["prompts"])
     held_train_ids, held_train_mask = pipe.tokenize(held_train["prompts"])
 
+    mirror_ids = tuple(pipe.tokenizer.convert_tokens_to_ids(["left", "right"])) if cfg.mirror_average else None
     model = learned.LearnedReward(vocab_size=len(pipe.tokenizer), width=cfg.width, heads=cfg.heads, max_len=pipe.text.max_len,
-                                  palette_features=cfg.palette_features)
+                                  palette_features=cfg.palette_features, mirror_ids=mirror_ids)
     with_counts = cfg.count_weight > 0
     params = model.init(jax.random.PRNGKey(config.seed), data["images"][:2], augment.ids[:2], augment.mask[:2], with_counts)["params"]
     warmup = min(200, cfg.steps // 4)
@@ -142,8 +144,8 @@ def run(config, workdir: str | None) -> dict:
 
     def loss_fn(p, batch):
         if not with_counts:
-            return reward_loss(model.apply({"params": p}, batch["images"], batch["ids"], batch["mask"]), batch["score"], cfg.loss)
-        pred, counts = model.apply({"params": p}, batch["images"], batch["ids"], batch["mask"], True)
+            return reward_loss(model.apply({"params": p}, batch["images"], batch["ids"], batch["mask"], mirror=False), batch["score"], cfg.loss)
+        pred, counts = model.apply({"params": p}, batch["images"], batch["ids"], batch["mask"], True, mirror=False)
         return reward_loss(pred, batch["score"], cfg.loss) + cfg.count_weight * jnp.mean(jnp.square(counts - batch["counts"]))
 
     @jax.jit
@@ -152,10 +154,12 @@ def run(config, workdir: str | None) -> dict:
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    predict = jax.jit(lambda p, *a: model.apply({"params": p}, *a))  # the score alone
+    predict = jax.jit(lambda p, *a, mirror=True: model.apply({"params": p}, *a, mirror=mirror), static_argnames="mirror")
 
-    def predict_all(p, images, ids, mask, bs=512):
-        return np.concatenate([np.asarray(predict(p, images[i : i + bs], ids[i : i + bs], mask[i : i + bs])) for i in range(0, len(images), bs)])
+    def predict_all(p, images, ids, mask, bs=512, mirror=True):
+        """The score alone (as shipped: the mirror average where `mirror_average`), in chunks of `bs`."""
+        return np.concatenate([np.asarray(predict(p, images[i : i + bs], ids[i : i + bs], mask[i : i + bs], mirror=mirror))
+                               for i in range(0, len(images), bs)])
 
     writer = metrics.MetricWriter(workdir)
     n = len(data["score"])
@@ -180,6 +184,9 @@ def run(config, workdir: str | None) -> dict:
               "pearson_heldout_base_samples_train_prompts": pearson(pred_held_train, held_train["score"]),
               "n_train": int(n), "train_sources": {s: int((data["source"] == s).sum()) for s in np.unique(data["source"])},
               "mse_heldout": float(np.mean((pred_held - held["score"]) ** 2)), "base": info["name"]}
+    if mirror_ids is not None:  # what the mirror average adds: the same params, one view
+        result["pearson_single_view"] = [pearson(predict_all(params, h["images"], i, m, mirror=False), h["score"])
+                                         for h, i, m in ((held, held_ids, held_mask), (held_train, held_train_ids, held_train_mask))]
     writer.close()
     print(json.dumps(result, indent=2))
     with open(os.path.join(workdir, "reward_eval.json"), "w") as f:
@@ -191,7 +198,7 @@ def run(config, workdir: str | None) -> dict:
         os.makedirs(folder)
         with open(os.path.join(folder, "model.json"), "w") as f:
             json.dump({"reward": {"vocab_size": model.vocab_size, "width": model.width, "heads": model.heads, "max_len": model.max_len,
-                                  "palette_features": model.palette_features}}, f, indent=2)
+                                  "palette_features": model.palette_features, "mirror_ids": model.mirror_ids}}, f, indent=2)
         pipe.tokenizer.save_pretrained(os.path.join(folder, "tokenizer"))
         checkpoint.save_params(os.path.join(folder, "params"), params)
         keep = [np.random.default_rng(0).permutation(len(h["score"]))[:256] for h in (held, held_train)]

@@ -70,3 +70,27 @@ def test_palette_channels_are_the_evaluator_s_color_step():
     bright = d2[b, y, x] > 0.05  # the residual is normalized by |d|^2 (+1e-3): compare where that is exact enough
     assert (residual[b, y, x, k][bright] <= shapes_eval.MAX_HUE_SIN ** 2 + 1e-3).all()
     assert len(k) > 1000 and bright.mean() > 0.9
+
+
+def test_mirror_average_is_the_mean_of_the_two_views_and_is_mirror_invariant():
+    """With `mirror_ids`, the reward is the mean of its single-view outputs on (image, prompt) and (mirrored
+    image, the prompt re-phrased with left <-> right), so it is exactly invariant under that pair of mirrors,
+    as the exact score is."""
+    import jax
+
+    tokenizer = text.build_tokenizer(world_vocabulary())
+    specs = [p["spec"] for p in shapes.load_prompts("test") if p["category"] == "position"][:6]
+    mirrored_specs = [dict(q, relation={"left of": "right of", "right of": "left of"}.get(q["relation"], q["relation"])) for q in specs]
+    assert sum(q != m for q, m in zip(specs, mirrored_specs)) >= 2  # some prompts do change under the mirror
+    images = shapes.render_batch(specs, np.random.default_rng(0))
+    ids, mask = text.tokenize(tokenizer, [shapes.format_prompt(q) for q in specs], 10)
+    ids_m, mask_m = text.tokenize(tokenizer, [shapes.format_prompt(q) for q in mirrored_specs], 10)
+    model = learned.LearnedReward(len(tokenizer), width=16, heads=2, mirror_ids=tuple(tokenizer.convert_tokens_to_ids(["left", "right"])))
+    params = model.init(jax.random.PRNGKey(0), images[:1], ids[:1], mask[:1], True)["params"]
+    apply = lambda x, i, m, **kw: np.asarray(model.apply({"params": params}, x, i, m, True, **kw)[0])  # noqa: E731
+    one, other = apply(images, ids, mask, mirror=False), apply(images[:, :, ::-1], ids_m, mask_m, mirror=False)
+    assert np.abs(one - other).max() > 1e-4  # an untrained net is not symmetric by itself
+    np.testing.assert_allclose(apply(images, ids, mask), (one + other) / 2, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(apply(images[:, :, ::-1], ids_m, mask_m), apply(images, ids, mask), rtol=1e-5, atol=1e-6)
+    exact = shapes_eval.evaluate(images, specs)["score"]
+    np.testing.assert_array_equal(shapes_eval.evaluate(images[:, :, ::-1].copy(), mirrored_specs)["score"], exact)

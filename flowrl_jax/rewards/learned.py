@@ -7,7 +7,9 @@ A small conv net turns the image into a feature map (8 x 8 cells at 32 x 32), a 
 transformer encodes the prompt, the text tokens cross-attend to the cells, and an MLP on the
 attended summary predicts the exact evaluator's partial-credit `score` (sigmoid output). A second head on
 the image side alone (`with_counts`) predicts how many objects of each (shape, color) the evaluator detects,
-an auxiliary target during training (`train_reward.py`).
+an auxiliary target during training (`train_reward.py`). With `mirror_ids` the prediction is the mean over
+the image and its left-right mirror shown with the mirrored prompt ("left" <-> "right"): a symmetry the exact
+score has, so the average keeps it exactly and averages out half of the single view's errors.
 It is what the gradient-based methods (spatial credit, LeapAlign) differentiate: `jax.grad` of its
 output w.r.t. the image is defined everywhere, unlike the evaluator's thresholds.
 
@@ -49,11 +51,21 @@ class LearnedReward(nn.Module):
     heads: int = 4
     max_len: int = 10
     palette_features: bool = False  # feed `palette_channels(images)` instead of the bare pixels
+    mirror_ids: tuple[int, int] | None = None  # token ids of ("left", "right"): average over the left-right mirror
 
     @nn.compact
-    def __call__(self, images: jax.Array, ids: jax.Array, mask: jax.Array, with_counts: bool = False):
+    def __call__(self, images: jax.Array, ids: jax.Array, mask: jax.Array, with_counts: bool = False, mirror: bool = True):
         """-> score [B] in (0, 1); with `with_counts` also (score, counts [B, S + 1, K]): the image side's
-        estimate of how many objects of each (shape or none, color) the evaluator detects (`object_counts`)."""
+        estimate of how many objects of each (shape or none, color) the evaluator detects (`object_counts`).
+
+        With `mirror_ids` (and `mirror`), both outputs are the mean over (image, prompt) and (the image
+        mirrored left-right, the prompt with "left" and "right" swapped): the exact score is invariant
+        under that pair of mirrors (`shapes.relation_holds`), so the average is too, exactly."""
+        num = images.shape[0]
+        if self.mirror_ids is not None and mirror:
+            left, right = self.mirror_ids
+            swapped = jnp.where(ids == left, right, jnp.where(ids == right, left, ids))
+            images, ids, mask = (jnp.concatenate(pair) for pair in ((images, images[:, :, ::-1]), (ids, swapped), (mask, mask)))
         w = self.width
         h = palette_channels(images) if self.palette_features else images
         for i, features in enumerate((32, 64, w)):
@@ -72,12 +84,13 @@ class LearnedReward(nn.Module):
         m = mask[..., None].astype(t.dtype)
         summary = jnp.concatenate([(t * m).sum(1) / m.sum(1), t[:, 0]], axis=-1)
         out = nn.Dense(1, name="head")(nn.gelu(nn.Dense(w, name="head_hidden")(summary)))
-        score = jax.nn.sigmoid(out[:, 0])
+        views = lambda x: x.reshape(b // num, num, *x.shape[1:]).mean(0)  # noqa: E731  (1 or 2 views per image)
+        score = views(jax.nn.sigmoid(out[:, 0]))
         if not with_counts:
             return score
         s, k = len(shapes.SHAPES) + 1, len(shapes.COLORS)
         counts = nn.Dense(s * k, name="count_head")(nn.gelu(nn.Dense(w, name="count_hidden")(cells.mean(1))))
-        return score, counts.reshape(b, s, k)
+        return score, views(counts.reshape(b, s, k))
 
 
 def object_counts(objects: dict, num_images: int, cap: int = 4) -> np.ndarray:
