@@ -9,7 +9,7 @@ attended summary predicts the exact evaluator's partial-credit `score` (sigmoid 
 the image side alone (`with_counts`) predicts how many objects of each (shape, color) the evaluator detects,
 an auxiliary target during training (`train_reward.py`). With `mirror_ids` the prediction is the mean over
 the image and its left-right mirror shown with the mirrored prompt ("left" <-> "right"): a symmetry the exact
-score has, so the average keeps it exactly and averages out half of the single view's errors.
+score has, so the average keeps it exactly and cancels the part of the single view's error that is not symmetric.
 It is what the gradient-based methods (spatial credit, LeapAlign) differentiate: `jax.grad` of its
 output w.r.t. the image is defined everywhere, unlike the evaluator's thresholds.
 
