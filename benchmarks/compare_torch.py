@@ -2,7 +2,7 @@
 
     python benchmarks/compare_torch.py [--setups quickstart,medium] [--repeats 3] [--no-compile]
 
-Each setup builds both sides from the same weights: flowrl_jax's `train.Steps` (the jitted rollout,
+Each setup builds both sides from the same weights: flowrl_jax's `steps.Steps` (the jitted rollout,
 credit and update that `python -m flowrl_jax.main` runs) and `torch_reference.TorchFlowGRPO` on diffusers'
 `SD3Transformer2DModel`, eager and `torch.compile`d. Then it alternates one whole Flow-GRPO iteration per
 side (A/B/C, A/B/C, ...) `--repeats` times after a warm-up; the warm-up minus the median is the compile time.
@@ -47,8 +47,8 @@ from ml_collections import ConfigDict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import torch_reference as tr  # noqa: E402
-from flowrl_jax import config_lib, credit as credit_lib, parallel, pretrain, rewards, train  # noqa: E402
-from flowrl_jax.data import shapes  # noqa: E402
+from flowrl_jax import assets, config_lib, credit as credit_lib, parallel, pipeline, rewards, steps as steps_lib  # noqa: E402
+from flowrl_jax.worlds.shapes import ShapesWorld  # noqa: E402
 from flowrl_jax.models import flops  # noqa: E402
 from flowrl_jax.sampling import schedule  # noqa: E402
 
@@ -64,9 +64,9 @@ class Pair:
     config: ConfigDict
     mesh: jax.sharding.Mesh
     pipe: object
-    steps: train.Steps
+    world: ShapesWorld
+    steps: steps_lib.Steps
     torch_sides: dict
-    prompts: list
 
     @property
     def batch(self) -> int:
@@ -77,8 +77,8 @@ def random_base(preset: str, seed: int = 0, scale: float = 0.05):
     """(pipe, {"dit", "text"}) of a random model: the init plus `scale` noise on every DiT weight (the
     init zeroes the adaLN and output layers, which would make the velocity 0)."""
     cfg = ConfigDict({"model": config_lib.model_config(preset), "text": dict(max_len=10, width=128, depth=1, heads=4)})
-    pipe = pretrain.build_pipeline(cfg)
-    params = pretrain.init_params(pipe, jax.random.PRNGKey(seed))
+    pipe = pipeline.build_pipeline(cfg)
+    params = pipeline.init_params(pipe, jax.random.PRNGKey(seed))
     leaves, treedef = jax.tree_util.tree_flatten(params["dit"])
     keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
     params["dit"] = treedef.unflatten([p + scale * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)])
@@ -86,38 +86,38 @@ def random_base(preset: str, seed: int = 0, scale: float = 0.05):
 
 
 def build_pair(config, pipe, base: dict, compile_modes=("eager",), lora_b_scale: float = 0.0, seed: int = 0) -> Pair:
-    """`train.Steps` for `config` on `base`, and a `TorchFlowGRPO` per compile mode with the same DiT weights and
+    """`steps.Steps` for `config` on `base`, and a `TorchFlowGRPO` per compile mode with the same DiT weights and
     LoRA adapters (`lora_b_scale > 0` draws the adapters' `b`, zero at init, so the policy differs from the reference)."""
     mesh = parallel.make_mesh(config.mesh)
-    credit = credit_lib.build(config.credit, config.credit_options, config.advantage.global_std, config.advantage.clip)
-    steps = train.Steps(config, mesh, pipe, base, credit)
+    credit = credit_lib.build(config.credit.names, config.credit, config.advantage.global_std, config.advantage.clip)
+    world = ShapesWorld(config, loaded=(pipe, base))
+    steps = steps_lib.Steps(config, mesh, world, *world.load(), credit)
     if lora_b_scale:
-        flat = jax.tree_util.tree_leaves_with_path(steps.state["params"])
+        flat = jax.tree_util.tree_leaves_with_path(steps.state.params)
         keys = iter(jax.random.split(jax.random.PRNGKey(seed + 7), len(flat)))
         params = jax.tree_util.tree_map_with_path(
-            lambda path, x: x + lora_b_scale * jax.random.normal(next(keys), x.shape) if path[-1].key == "b" else x, steps.state["params"])
-        params = jax.device_put(params, steps.shardings["params"])
+            lambda path, x: x + lora_b_scale * jax.random.normal(next(keys), x.shape) if path[-1].key == "b" else x, steps.state.params)
+        params = jax.device_put(params, steps.shardings.params)
         ema = jax.tree_util.tree_map(lambda x: x.copy(), params)  # its own buffers: the update donates both
-        steps.state = {**steps.state, "params": params, "ema": ema}
-    adapters = jax.device_get(steps.state["params"])
-    t, o = config.train, config.objective
+        steps.state = steps.state.replace(params=params, ema=ema)
+    adapters = jax.device_get(steps.state.params)
+    t, o = config.train, config.objective.grpo
     sides = {mode: tr.TorchFlowGRPO(tr.diffusers_model(pipe.dit, jax.device_get(base["dit"])), adapters, pipe.dit.lora_alpha,
                                     config.sampler.cfg, o.clip_range, o.beta, t.lr, t.weight_decay, t.grad_clip, t.ema_decay,
                                     compile=mode == "compile")
              for mode in compile_modes}
-    prompts = shapes.load_prompts("train")
-    return Pair(config, mesh, pipe, steps, sides, prompts)
+    return Pair(config, mesh, pipe, world, steps, sides)
 
 
 def iteration_prompts(pair: Pair, it: int) -> list[dict]:
     t = pair.config.train
-    chosen = train.sample_prompts(pair.prompts, t.prompts_per_iteration, np.random.default_rng([pair.config.seed, it]))
-    return [p for p in chosen for _ in range(t.group_size)]
+    chosen = pair.world.sample_prompts(t.prompts_per_iteration, np.random.default_rng([pair.config.seed, it]))
+    return [pair.world.train_prompts[i] for i in chosen for _ in range(t.group_size)]
 
 
 def jax_rollout(pair: Pair, prompts: list[dict], it: int):
     ids, mask = parallel.shard_batch(pair.pipe.tokenize([p["prompt"] for p in prompts]), pair.mesh)
-    return pair.steps.rollout(pair.steps.state["params"], pair.steps.frozen, ids, mask, jax.random.PRNGKey(it))
+    return pair.steps.rollout(pair.steps.state.params, pair.steps.frozen, ids, mask, jax.random.PRNGKey(it))
 
 
 def jax_updates(pair: Pair, ro, cond, null, reward: np.ndarray, it: int):
@@ -127,17 +127,17 @@ def jax_updates(pair: Pair, ro, cond, null, reward: np.ndarray, it: int):
     gids = np.repeat(np.arange(t.prompts_per_iteration, dtype=np.int32), t.group_size)
     steps = pair.steps
     adv, _, _ = steps.credit(ro, parallel.shard_batch(reward.astype(np.float32), pair.mesh), parallel.shard_batch(gids, pair.mesh),
-                             t.prompts_per_iteration, steps.state["credit"], {})
-    stats = []
+                             t.prompts_per_iteration, steps.state.credit, {})
+    stats, data = [], {"rollout": ro, "adv": adv, "cond": cond, "null": null}
     for rows, slots, weight in minibatch_order(pair, it):
-        steps.state, s = steps.update(steps.state, steps.frozen, ro, adv, cond, null, rows, slots, weight, {})
+        steps.state, s = steps.update(steps.state, steps.frozen, data, rows, slots, weight)
         stats.append(s)
     return adv, stats
 
 
 def minibatch_order(pair: Pair, it: int):
     keep = np.ones(pair.batch, bool)
-    return train.minibatches(keep, pair.steps.slots, pair.steps.minibatch_size, np.random.default_rng([pair.config.seed, it, 0]))
+    return steps_lib.minibatches(keep, pair.steps.slots, pair.steps.minibatch_size, np.random.default_rng([pair.config.seed, it, 0]))
 
 
 def torch_condition(cond, null):
@@ -146,7 +146,7 @@ def torch_condition(cond, null):
 
 def torch_schedule(config):
     s = config.sampler
-    return tr.to_torch(schedule.sigmas(s.num_steps, s.shift)), tr.to_torch(train.sampler_levels(s))
+    return tr.to_torch(schedule.sigmas(s.num_steps, s.shift)), tr.to_torch(steps_lib.sampler_levels(s))
 
 
 def torch_updates(pair: Pair, side, ro: dict, cond, null, reward: np.ndarray, it: int):
@@ -210,12 +210,12 @@ def matmul_peak(n: int = 2048, repeats: int = 10) -> dict:
 def hand_flops(pair: Pair) -> dict:
     """(rollout, one update) FLOPs (module doc)."""
     dit, s = pair.pipe.dit, pair.config.sampler
-    params, adapters = pair.steps.frozen["dit"], pair.steps.state["params"] if pair.config.train.lora_rank else None
+    params, adapters = pair.steps.frozen["dit"], pair.steps.state.params if pair.config.train.lora_rank else None
     text_len = pair.pipe.text.max_len
     size = dit.sample_size
     roll = flops.forward_flop_parts(dit, params, 2 * pair.batch, size, size, text_len, adapters)
     upd = flops.forward_flop_parts(dit, params, 2 * pair.steps.minibatch_size, size, size, text_len, adapters)
-    beta = pair.config.objective.beta > 0
+    beta = pair.config.objective.grpo.beta > 0
     return {"rollout": s.num_steps * sum(roll.values()),
             "update": (2 + beta) * upd["dense"] + (3 + beta) * upd["attention"] + 3 * upd["lora"]}
 
@@ -226,7 +226,7 @@ def run_setup(name: str, repeats: int, compile_torch: bool) -> dict:
     for key, value in spec["fields"].items():
         section, field = key.split(".")
         config[section][field] = value
-    pipe, base = train.load_base(spec["base"])[:2] if "base" in spec else random_base(spec["preset"])
+    pipe, base = assets.load_pipeline(spec["base"])[:2] if "base" in spec else random_base(spec["preset"])
     modes = ("eager", "compile") if compile_torch else ("eager",)
     pair = build_pair(config, pipe, base, modes)
     reward_fn = rewards.build(config.train.rewards)

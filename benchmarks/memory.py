@@ -22,10 +22,11 @@ import platform
 import jax
 import jax.numpy as jnp
 
-from flowrl_jax import rewards, train
+from flowrl_jax.policy import PolicyFns
 from flowrl_jax.config_lib import model_config
 from flowrl_jax.models import build_mmdit
 from flowrl_jax.objectives import leap
+from flowrl_jax.rewards import learned
 from flowrl_jax.sampling import schedule
 
 
@@ -33,7 +34,7 @@ def measure(preset: str, batch: int, num_steps: int) -> dict:
     model = build_mmdit(model_config(preset))
     x, t, txt, pooled = model.dummy_inputs(batch, 8)
     params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), x, t, txt, pooled)["params"])
-    reward_apply, reward_params, tokenize = rewards.learned_model()
+    reward_apply, reward_params, tokenize = learned.reward_model()
     ids, mask = tokenize([{"prompt": "a red circle"}] * batch)
     sigmas = schedule.sigmas(num_steps, 1.0)
 
@@ -47,7 +48,7 @@ def measure(preset: str, batch: int, num_steps: int) -> dict:
         rows = jnp.arange(batch)
         mb = {"x_k": states[rows, i_k], "x_j": states[rows, i_j], "x0": x0, "sigma_k": sigmas[i_k], "sigma_j": sigmas[i_j],
               "weight": jnp.ones(batch)}
-        return jax.grad(lambda q: leap.loss(q, None, mb, train.PolicyFns(None, velocity, reward), {"gamma": 0.5, "tau": 0.01})[0])(p)
+        return jax.grad(lambda q: leap.loss(q, None, mb, PolicyFns(None, velocity, reward), {"gamma": 0.5, "tau": 0.01})[0])(p)
 
     def full_grad(p, x_T, remat: bool):
         def loss(q):

@@ -20,8 +20,7 @@ import time
 import jax
 import numpy as np
 
-from flowrl_jax import credit as credit_lib, parallel, rewards, train
-from flowrl_jax.data import shapes
+from flowrl_jax import credit as credit_lib, parallel, rewards, steps as steps_lib, worlds
 
 
 def _median(fn, repeats: int) -> float:
@@ -43,14 +42,15 @@ def main() -> None:
     config = runpy.run_path(args.config)["get_config"]("")
     t_cfg, s_cfg = config.train, config.sampler
     mesh = parallel.make_mesh(config.mesh)
-    pipe, base, _ = train.load_base(config.base)
-    credit = credit_lib.build(config.credit, config.credit_options, config.advantage.global_std, config.advantage.clip)
-    steps = train.Steps(config, mesh, pipe, base, credit)
+    world = worlds.build(config)
+    dit, base = world.load()
+    credit = credit_lib.build(config.credit.names, config.credit, config.advantage.global_std, config.advantage.clip)
+    steps = steps_lib.Steps(config, mesh, world, dit, base, credit)
     batch = t_cfg.prompts_per_iteration * t_cfg.group_size
-    prompts = [p for p in train.sample_prompts(shapes.load_prompts("train"), t_cfg.prompts_per_iteration, np.random.default_rng(0))
+    prompts = [world.train_prompts[i] for i in world.sample_prompts(t_cfg.prompts_per_iteration, np.random.default_rng(0))
                for _ in range(t_cfg.group_size)]
-    ids, mask = parallel.shard_batch(pipe.tokenize([p["prompt"] for p in prompts]), mesh)
-    rollout = lambda: steps.rollout(steps.state["params"], steps.frozen, ids, mask, jax.random.PRNGKey(0))  # noqa: E731
+    ids, mask = parallel.shard_batch(world.tokenize(prompts), mesh)
+    rollout = lambda: steps.rollout(steps.state.params, steps.frozen, ids, mask, jax.random.PRNGKey(0))  # noqa: E731
     rollout_s = _median(rollout, args.repeats)
     ro, cond, null = rollout()
     reward_fn = rewards.build(t_cfg.rewards)
@@ -61,21 +61,22 @@ def main() -> None:
     gids = np.repeat(np.arange(t_cfg.prompts_per_iteration, dtype=np.int32), t_cfg.group_size)
     extras = credit.prepare(steps.context(steps.state, ro, cond, null, prompts, reward_fn))
     adv, _, keep = steps.credit(ro, parallel.shard_batch(reward, mesh), parallel.shard_batch(gids, mesh),
-                                t_cfg.prompts_per_iteration, steps.state["credit"], extras)
-    rows, step_ids, weight = next(train.minibatches(np.ones(batch, bool), steps.slots, steps.minibatch_size,
+                                t_cfg.prompts_per_iteration, steps.state.credit, extras)
+    rows, step_ids, weight = next(steps_lib.minibatches(np.ones(batch, bool), steps.slots, steps.minibatch_size,
                                                     np.random.default_rng(0)))
-    state, objective_extras = steps.state, steps.objective_extras(prompts)
+    state = steps.state
+    data = {"rollout": ro, "adv": adv, "cond": cond, "null": null, **steps.objective_extras(prompts)}
 
     def update():
         nonlocal state
-        state, stats = steps.update(state, steps.frozen, ro, adv, cond, null, rows, step_ids, weight, objective_extras)
+        state, stats = steps.update(state, steps.frozen, data, rows, step_ids, weight)
         return stats
 
     update_s = _median(update, args.repeats)
     pairs = steps.minibatch_size
     per_iteration = rollout_s + reward_s + t_cfg.num_inner_epochs * t_cfg.minibatches * update_s
     row = dict(config=args.config, batch=batch, num_steps=s_cfg.num_steps, trained_steps=len(steps.slots), cfg=s_cfg.cfg,
-               beta=config.objective.beta, rollout_s=rollout_s, rollout_images_per_s=batch / rollout_s,
+               beta=config.objective.grpo.beta, rollout_s=rollout_s, rollout_images_per_s=batch / rollout_s,
                rollout_dit_calls_per_s=batch * s_cfg.num_steps * (2 if s_cfg.cfg != 1 else 1) / rollout_s,
                reward_s=reward_s, update_pairs=pairs, update_s=update_s, update_pairs_per_s=pairs / update_s,
                iteration_s=per_iteration)

@@ -5,7 +5,7 @@ ODE sampler's, from the same model, prompts and initial noise.
 
 For every kernel (`sde` Flow-GRPO, `cps` Flow-CPS, `lc` LC-GRPO) with the SDE on every step and on the
 embedded configs' window (the first two of 10 steps), rollouts as the train job makes them
-(`train.make_rollout_fn`: 10 steps, CFG 3, shift 1) for `per_category` train prompts of each category x
+(`steps.make_rollout_fn`: 10 steps, CFG 3, shift 1) for `per_category` train prompts of each category x
 `group` images, scored by the exact evaluator; the gap is kernel minus ODE (negative: the training
 rollouts are worse samples than the policy's own ODE sampler). Prints a table, writes
 benchmarks/results/sampler_gap.json.
@@ -20,7 +20,8 @@ import platform
 import jax
 import numpy as np
 
-from flowrl_jax import config_lib, rewards, train
+from flowrl_jax import config_lib, rewards, steps, worlds
+from flowrl_jax.policy import Policy
 from flowrl_jax.data import shapes
 
 
@@ -34,18 +35,21 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args()
 
-    pipe, base, _ = train.load_base(args.base)
-    policy = train.Policy(pipe, 0)
+    config = config_lib.embedded_train_config()
+    config.world.base = args.base
+    world = worlds.build(config)
+    dit, base = world.load()
+    policy = Policy(dit, 0)
     prompts = [p for c in shapes.CATEGORIES for p in [q for q in shapes.load_prompts("train") if q["category"] == c][: args.per_category]]
     rows = [p for p in prompts for _ in range(args.group)]
-    ids, mask = pipe.tokenize([p["prompt"] for p in rows])
+    ids, mask = world.tokenize(rows)
     score_fn = rewards.build((("shapes_score", 1.0), ("shapes_strict", 0.0)))
 
     def rollout_reward(kind: str, window) -> dict:
         config = config_lib.embedded_train_config()
         config.sampler.update(kind=kind, sde_window=window, noise_level=args.noise_level, same_noise_per_group=False)
         config.train.group_size = args.group
-        fn = jax.jit(train.make_rollout_fn(policy, config))
+        fn = jax.jit(steps.make_rollout_fn(policy, world, config))
         ro, _, _ = fn(base["dit"], base, ids, mask, jax.random.PRNGKey(args.seed))
         _, parts = score_fn(np.asarray(ro.final), rows)
         return {"score": float(parts["shapes_score"].mean()), "strict": float(parts["shapes_strict"].mean())}

@@ -5,13 +5,11 @@ sampling with exploration) and cross-level advantage fusion `alpha A_group + (1 
 with an EMA global baseline. Budget and sampler: `config_lib.embedded_train_config()`.
 """
 from flowrl_jax import config_lib
-from flowrl_jax.credit import adaptive
 
 
 def get_config(arg: str = ""):
     config = config_lib.embedded_train_config()
-    config.credit = ("uniform", "adaptive")
-    config.credit_options = {"adaptive": dict(adaptive.DEFAULTS)}
+    config.credit.names = ("uniform", "adaptive")  # options: config.credit.adaptive (credit/adaptive.py)
     config.curriculum.enabled = True
     config.lock()
     return config

@@ -3,7 +3,8 @@
 Advantage-weighted flow matching on the policy's own ODE samples with rollout-policy regularization:
 `beta ||v - v_old||^2 + A_i ||v - (eps - x0)||^2`, `beta = max(-A) + beta0`, each sample noised afresh
 at `objective.timesteps` times per iteration; group advantages from the exact evaluator's score, as in
-Flow-GRPO. `objective.af_regularizer="samples"` is SPEC's literal form (`(beta + A_i) ||v - (eps - x0)||^2`),
+Flow-GRPO. The rollout-velocity anchor is the project's variant (WORKSPACE_NOTES.md);
+`objective.advantage_flow.regularizer="samples"` is SPEC's literal form (`(beta + A_i) ||v - (eps - x0)||^2`),
 which collapsed to blank images in all four settings tried (WORKSPACE_NOTES.md). Rollouts and the trained
 velocity use the sampler's CFG, as DiffusionNFT's config. Budget: `config_lib.embedded_train_config(ode_rollouts=True)`.
 """
@@ -12,6 +13,6 @@ from flowrl_jax import config_lib
 
 def get_config(arg: str = ""):
     config = config_lib.embedded_train_config(ode_rollouts=True)
-    config.objective.update(name="advantage_flow", timesteps=4, beta0=1.0, af_regularizer="rollout_velocity")
+    config.objective.name = "advantage_flow"  # options: config.objective.advantage_flow (objectives/advantage_flow.py)
     config.lock()
     return config

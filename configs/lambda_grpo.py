@@ -11,6 +11,6 @@ from flowrl_jax import config_lib
 
 def get_config(arg: str = ""):
     config = config_lib.embedded_train_config()
-    config.objective.name = "lambda_grpo"
+    config.objective.grpo.lambda_control = True
     config.lock()
     return config

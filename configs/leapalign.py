@@ -10,6 +10,6 @@ from flowrl_jax import config_lib
 
 def get_config(arg: str = ""):
     config = config_lib.embedded_train_config(ode_rollouts=True)
-    config.objective.update(name="leapalign", gamma=0.5, tau=0.01)
+    config.objective.name = "leapalign"  # options: config.objective.leapalign (objectives/leap.py)
     config.lock()
     return config

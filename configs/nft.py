@@ -10,6 +10,6 @@ from flowrl_jax import config_lib
 
 def get_config(arg: str = ""):
     config = config_lib.embedded_train_config(ode_rollouts=True)
-    config.objective.update(name="nft", timesteps=4, nft_beta=1.0, beta_kl=0.0)
+    config.objective.name = "nft"  # options: config.objective.nft (objectives/nft.py)
     config.lock()
     return config

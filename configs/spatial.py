@@ -7,13 +7,11 @@ is still trained on the exact evaluator's score; the learned reward only draws t
 (`credit_maps_<step>.png` in the workdir). Budget and sampler: `config_lib.embedded_train_config()`.
 """
 from flowrl_jax import config_lib
-from flowrl_jax.credit import spatial
 
 
 def get_config(arg: str = ""):
     config = config_lib.embedded_train_config()
-    config.credit = ("uniform", "spatial")
-    config.credit_options = {"spatial": dict(spatial.DEFAULTS)}
-    config.objective.ratio = "token"
+    config.credit.names = ("uniform", "spatial")  # options: config.credit.spatial (credit/spatial.py)
+    config.objective.grpo.ratio = "token"
     config.lock()
     return config

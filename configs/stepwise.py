@@ -10,6 +10,6 @@ from flowrl_jax import config_lib
 
 def get_config(arg: str = ""):
     config = config_lib.embedded_train_config()
-    config.credit = ("stepwise",)
+    config.credit.names = ("stepwise",)
     config.lock()
     return config

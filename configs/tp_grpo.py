@@ -4,14 +4,14 @@
 Incremental step rewards from ODE completions of every SDE-window state (one batched scan per
 iteration), turning points by sign changes, the balanced bonus, per-step group normalization.
 Composes with spatial credit (none of the papers offers this):
-`--config.credit='("turning_point", "spatial")' --config.objective.ratio=token` (spatial's options
-default to `credit/spatial.DEFAULTS`). Budget and sampler: `config_lib.embedded_train_config()`.
+`--config.credit.names='("turning_point", "spatial")' --config.objective.grpo.ratio=token` (spatial's
+options: `config.credit.spatial`). Budget and sampler: `config_lib.embedded_train_config()`.
 """
 from flowrl_jax import config_lib
 
 
 def get_config(arg: str = ""):
     config = config_lib.embedded_train_config()
-    config.credit = ("turning_point",)
+    config.credit.names = ("turning_point",)
     config.lock()
     return config

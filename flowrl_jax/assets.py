@@ -1,9 +1,9 @@
 """Shipped models, loadable by name: `flowrl_jax/assets/<name>/` (`shapes32`: the base DiT and text
-encoder; `shapes32_reward`: the learned reward).
+encoder; `shapes32_reward`: the learned reward, loaded by `rewards.learned.load`).
 
     pipe, params, info = load_pipeline("shapes32")           # a shipped asset, manifest-checked
     pipe, params, info = load_pipeline("workdirs/pretrain")  # or any pretrain workdir (latest checkpoint)
-    reward, reward_params, tokenizer, manifest = load_reward("shapes32_reward")
+    export(workdir, name); write_manifest(folder, fields)    # what the export job (`export.py`) calls
 
 An asset folder holds `model.json` (DiT + text-encoder hyper-parameters), `tokenizer/`
 (`save_pretrained`), `params/` (orbax, the EMA weights) and `MANIFEST.json`: the training config and
@@ -23,6 +23,7 @@ from ml_collections import ConfigDict
 from transformers import PreTrainedTokenizerFast
 
 from flowrl_jax import checkpoint
+from flowrl_jax.pipeline import build_pipeline
 
 ASSET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 
@@ -60,8 +61,6 @@ def verify(folder: str) -> dict:
 
 
 def _build(folder: str):
-    from flowrl_jax.pretrain import build_pipeline
-
     with open(os.path.join(folder, "model.json")) as f:
         desc = json.load(f)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(folder, "tokenizer"))
@@ -79,11 +78,11 @@ def load_pipeline(name_or_path: str, use_ema: bool = True):
     if not os.path.isdir(ckpt_dir):
         shipped = sorted(os.listdir(ASSET_DIR)) if os.path.isdir(ASSET_DIR) else []
         raise FileNotFoundError(f"{name_or_path!r} is neither a shipped asset ({shipped}) nor a workdir with checkpoints/")
-    ckpt = checkpoint.Checkpointer(ckpt_dir)
-    step = ckpt.latest_step()
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint in {ckpt_dir}: train first, or point to a shipped asset")
-    state, meta = ckpt.restore(step, None)
+    with checkpoint.Checkpointer(ckpt_dir) as ckpt:
+        step = ckpt.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {ckpt_dir}: train first, or point to a shipped asset")
+        state, meta = ckpt.restore(step, None)
     return _build(name_or_path), state["ema" if use_ema else "params"], {"name": name_or_path, "path": name_or_path, "step": step}
 
 
@@ -107,42 +106,3 @@ def write_manifest(folder: str, fields: dict) -> dict:
     with open(os.path.join(folder, "MANIFEST.json"), "w") as f:
         json.dump(manifest, f, indent=2)
     return manifest
-
-
-def load_reward(name: str = "shapes32_reward"):
-    """-> (LearnedReward, params, tokenizer, manifest) of a shipped learned reward."""
-    from flowrl_jax.rewards.learned import LearnedReward
-
-    folder = os.path.join(ASSET_DIR, name)
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"no shipped reward {name!r} in {ASSET_DIR}; train one with configs/train_reward.py")
-    manifest = verify(folder)
-    with open(os.path.join(folder, "model.json")) as f:
-        fields = json.load(f)["reward"]
-    if fields.get("mirror_ids") is not None:
-        fields["mirror_ids"] = tuple(fields["mirror_ids"])  # JSON has lists; module fields stay hashable
-    model = LearnedReward(**fields)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(folder, "tokenizer"))
-    return model, checkpoint.load_params(os.path.join(folder, "params")), tokenizer, manifest
-
-
-def run(config, workdir: str | None) -> dict:
-    """The `export` job: ship a pretrain workdir's EMA weights as `flowrl_jax/assets/<export.name>/`,
-    measure the asset as loaded (GenEval-style table on test.jsonl) and record it in MANIFEST.json."""
-    from flowrl_jax import evaluate
-    from flowrl_jax.data import shapes
-
-    cfg, e = config.export, config.export.eval
-    folder, step = export(cfg.workdir, cfg.name)
-    write_manifest(folder, {"name": cfg.name})  # provisional, so that the asset loads for measuring
-    pipe, params, _ = load_pipeline(cfg.name)
-    result = evaluate.geneval(pipe, params, shapes.load_prompts("test"), jax.random.PRNGKey(config.seed), e.samples_per_prompt,
-                              e.batch_size, e.num_steps, e.cfg, e.shift, progress=True)
-    print(evaluate.format_table(result["table"]))
-    with open(os.path.join(folder, "model.json")) as f:
-        model = json.load(f)
-    write_manifest(folder, {"name": cfg.name, "source": cfg.workdir, "training_steps": step, "model": model,
-                            "test_eval": result["table"], "test_eval_settings": e.to_dict(), "notes": cfg.notes})
-    evaluate.category_grid(result, os.path.join(workdir or cfg.workdir, f"{cfg.name}_test_grid.png"))
-    print(f"exported {folder}")
-    return result["table"]

@@ -1,20 +1,36 @@
-"""Orbax checkpoints: save, keep-N, resume from the latest, restore a state pytree by template.
+"""Orbax checkpoints: save, keep-N, resume from the latest good step, restore a state pytree by template.
 
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=3)
-    ckpt.save(step, state, meta={"config": ...})       # async; ckpt.close() waits
-    state, meta = ckpt.restore_latest(template)        # (None, None) when there is none yet
+    with Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=3) as ckpt:
+        state, meta, skipped = ckpt.restore_latest(template)   # (None, None, []) when there is none yet
+        ckpt.save(step, state, meta={"config": ...})            # async; close() (or leaving `with`) waits
 
 A checkpoint is `args.Composite(state=StandardSave(pytree), meta=JsonSave(dict))`. Restoring into
-`template` (arrays or `jax.ShapeDtypeStruct`s, with shardings) gives the same structure back,
-sharded like the template.
+`template` (arrays or `jax.ShapeDtypeStruct`s, with shardings; dicts or `flax.struct.dataclass`es) gives
+the same structure back, sharded like the template; without a template a dataclass comes back as a dict
+keyed by field name (namedtuples as dicts, an optax `EmptyState` as None).
+
+Before orbax reads a step, every array of it is read and decoded here, synchronously: a damaged file
+(truncated, overwritten) is a one-line `CheckpointError` instead of an orbax error that leaves reads in
+flight, whose callbacks then print "RuntimeError: Event loop is closed" tracebacks into a closed loop.
+`restore_latest` skips damaged steps, newest first, and renames their folders to `<step>.damaged`
+(not a step name to orbax: `all_steps()` matches `^(0|[1-9]\\d*)$`), so the run resumes from the
+newest good step and can save the damaged step's number again; nothing is deleted.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+import tensorstore as ts
+
+DAMAGED_SUFFIX = ".damaged"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be restored (damaged files); one line. A ValueError, like orbax's own."""
 
 
 def _abstract(tree: Any) -> Any:
@@ -22,33 +38,109 @@ def _abstract(tree: Any) -> Any:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)) if hasattr(x, "shape") else x, tree)
 
 
+def _one_line(e: BaseException) -> str:
+    """The first line of an error, without tensorstore's spec dump, at most 300 characters."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0].split(" [tensorstore_spec")[0]
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _read_arrays(item: str) -> None:
+    """Read and decode every array of an orbax OCDBT item folder (zarr or zarr3 arrays), one at a time."""
+    if not os.path.isfile(os.path.join(item, "manifest.ocdbt")):
+        raise FileNotFoundError(f"{os.path.join(item, 'manifest.ocdbt')} is missing")
+    kvstore = {"driver": "ocdbt", "base": "file://" + item.rstrip("/") + "/"}
+    for key in sorted(ts.KvStore.open(kvstore).result().list().result()):
+        for marker, driver in ((b"/.zarray", "zarr"), (b"/zarr.json", "zarr3")):
+            if key.endswith(marker):  # synchronous: when one fails, no read is left in flight
+                spec = {"driver": driver, "kvstore": {**kvstore, "path": key[: -len(marker)].decode() + "/"}}
+                ts.open(spec, open=True, read=True).result().read().result()
+
+
 class Checkpointer:
     def __init__(self, directory: str, max_to_keep: int = 3):
         self.directory = os.path.abspath(directory)
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self._closed = False
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
 
     def save(self, step: int, state: Any, meta: dict | None = None, force: bool = False) -> None:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta or {}))
         self.manager.save(step, args=args, force=force)
 
+    def damage(self, step: int) -> str | None:
+        """Why step `step` cannot be read (one line), or None when its metadata and every array read back."""
+        self.manager.wait_until_finished()  # a step still being written is not damaged
+        folder = os.path.join(self.directory, str(step))
+        try:
+            for name in ("meta/metadata", "state/_METADATA"):
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    json.load(f)
+            _read_arrays(os.path.join(folder, "state"))
+        except Exception as e:  # noqa: BLE001 - any read error means damaged
+            return _one_line(e)
+        return None
+
     def restore(self, step: int, template: Any) -> tuple[Any, dict]:
+        """(state, meta) of `step`; a damaged step is a CheckpointError (nothing is moved)."""
         if step not in self.manager.all_steps():
-            raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; have {sorted(self.manager.all_steps())}")
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(template)), meta=ocp.args.JsonRestore())
-        out = self.manager.restore(step, args=args)
+            raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; have {self.all_steps()}")
+        reason = self.damage(step)
+        if reason is not None:
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} is damaged ({reason}); "
+                                  f"move the damaged step folder away to use another step")
+        return self._restore(step, template)
+
+    def _restore(self, step: int, template: Any) -> tuple[Any, dict]:
+        state = ocp.args.StandardRestore(None if template is None else _abstract(template))
+        out = self.manager.restore(step, args=ocp.args.Composite(state=state, meta=ocp.args.JsonRestore()))
         return out["state"], dict(out["meta"])
 
-    def restore_latest(self, template: Any) -> tuple[Any, dict] | tuple[None, None]:
-        step = self.latest_step()
-        return (None, None) if step is None else self.restore(step, template)
+    def restore_latest(self, template: Any) -> tuple[Any, dict, list[tuple[int, str]]] | tuple[None, None, list]:
+        """(state, meta, skipped) of the newest step that reads back; `skipped` lists the newer damaged steps as
+        (step, reason), their folders renamed to `<step>.damaged` (named in the reason). (None, None, []) when
+        there is no checkpoint; CheckpointError (nothing renamed) when every step is damaged."""
+        skipped = []
+        for step in reversed(self.all_steps()):
+            reason = self.damage(step)
+            if reason is None:
+                state, meta = self._restore(step, template)
+                return state, meta, [(s, f"{r}; moved to {self._set_aside(s)}") for s, r in skipped]
+            skipped.append((step, reason))
+        if skipped:
+            damaged = "; ".join(f"step {s}: {r}" for s, r in skipped)
+            raise CheckpointError(f"no checkpoint in {self.directory} can be restored, every step is damaged ({damaged}); "
+                                  "move the damaged step folders away to start afresh")
+        return None, None, []
+
+    def _set_aside(self, step: int) -> str:
+        """Rename a damaged step folder to `<step>.damaged` (`-2`, `-3`, ... if taken); its new path."""
+        folder = os.path.join(self.directory, str(step))
+        target, n = folder + DAMAGED_SUFFIX, 1
+        while os.path.exists(target):
+            n += 1
+            target = f"{folder}{DAMAGED_SUFFIX}-{n}"
+        if jax.process_index() == 0:
+            os.rename(folder, target)
+        self.manager.reload()
+        return target
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Wait for pending saves and close; a second call does nothing."""
+        if not self._closed:
+            self._closed = True
+            self.manager.close()  # waits for pending saves first
 
 
 def save_params(directory: str, params: Any) -> None:

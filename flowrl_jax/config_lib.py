@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ml_collections import ConfigDict
 
+from flowrl_jax import credit, objectives, worlds
 from flowrl_jax.data import curriculum
 from flowrl_jax.models.presets import PRESETS
 from flowrl_jax.parallel import DEFAULT_RULES
@@ -56,25 +57,20 @@ def require(config: ConfigDict, fields) -> None:
 
 def train_config() -> ConfigDict:
     """The `train` job's fields with Flow-GRPO's defaults (SPEC.md §1-§4) on the embedded world; the
-    method configs (`configs/flow_grpo.py`, `quickstart.py`, ...) start here and override."""
+    method configs (`configs/flow_grpo.py`, `quickstart.py`, ...) start here and override. Plug-ins
+    (the world, credit schemes, objectives, the curriculum) each get one option sub-dict filled from
+    their module's `DEFAULTS`: `--config.objective.grpo.clip_range=0.2`, `--config.credit.spatial.tau=1`."""
     cfg = base_config("train")
-    cfg.base = "shapes32"  # a shipped asset name or a pretrain workdir
-    cfg.prompts = dict(train="", test="")  # JSONL paths; "" = the shipped train / test sets
+    cfg.world = worlds.config_fields("shapes")  # base: a shipped asset name or a pretrain workdir; prompt files ("" = shipped)
     cfg.sampler = dict(kind="sde", num_steps=10, shift=1.0, noise_level=0.7, sde_window=(), cfg=3.0,
                        same_noise_per_group=False, logprob_form="gaussian")  # sde_window () = every step
     cfg.train = dict(iterations=200, prompts_per_iteration=8, group_size=12, num_inner_epochs=1, minibatches=4,
                      lr=3e-4, weight_decay=1e-4, grad_clip=1.0, ema_decay=0.9, lora_rank=0,
                      rewards=(("shapes_score", 1.0),), time_budget_s=0.0)  # stop after this much training wall time, not counting the first (compiling) iteration; 0 = none
     cfg.advantage = dict(global_std=True, clip=5.0)
-    cfg.credit = ("uniform",)
-    cfg.credit_options = ConfigDict()  # per scheme, e.g. {"spatial": {"tau": 2.0}}; defaults in each credit module
-    cfg.curriculum = dict(enabled=False, **curriculum.DEFAULTS)  # AdaGRPO's prompt curriculum, SPEC §5
-    # objective.name: grpo | lambda_grpo | advantage_flow | nft | leapalign (objectives/__init__.py); the fields after
-    # kl_form belong to the forward-process objectives (timesteps: time slots per sample; train_cfg: the CFG scale of
-    # the velocity they train, 0 = the sampler's, 1 = the conditional velocity; beta0, af_regularizer: AdvantageFlow; nft_beta,
-    # beta_kl: DiffusionNFT) and LeapAlign (gamma, tau; it uses train_cfg too), SPEC §6
-    cfg.objective = dict(name="grpo", clip_range=1e-4, beta=0.04, ratio="sample", kl_form="exact",
-                         timesteps=4, train_cfg=0.0, beta0=1.0, af_regularizer="rollout_velocity", nft_beta=1.0, beta_kl=0.0, gamma=0.5, tau=0.01)
+    cfg.credit = credit.config_fields()  # names: the chain (credit/__init__.py); one sub-dict of options per scheme
+    cfg.curriculum = dict(curriculum.DEFAULTS)  # AdaGRPO's prompt curriculum, SPEC §5 (enabled=False)
+    cfg.objective = objectives.config_fields()  # name: grpo | advantage_flow | nft | leapalign; one sub-dict per objective, SPEC §4, §6
     cfg.eval = dict(every=50, at_start=True, per_category=0, samples_per_prompt=1, batch_size=210, num_steps=20, cfg=3.0, shift=1.0,
                     learned_reward=False)  # learned_reward: also score the eval images with the shipped learned reward
     cfg.checkpoint = dict(every=25, keep=3)

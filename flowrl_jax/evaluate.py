@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from flowrl_jax import metrics
+from flowrl_jax import assets, metrics
 from flowrl_jax.data import shapes
 from flowrl_jax.rewards import shapes_eval
 
@@ -76,8 +76,6 @@ def category_grid(result: dict, path: str, per_category: int = 8) -> str:
 
 def run(config, workdir: str | None) -> dict:
     """The eval job: load a checkpoint (shipped name or workdir), print the table, write JSON + PNG."""
-    from flowrl_jax import assets
-
     cfg = config.eval
     pipe, params, info = assets.load_pipeline(cfg.checkpoint, use_ema=cfg.use_ema)
     prompts = shapes.load_prompts(cfg.split)

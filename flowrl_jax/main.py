@@ -18,8 +18,8 @@ JOBS = {
     "inspect": ("flowrl_jax.inspect_model", ("model", "mesh", "seed", "inspect.batch_size", "inspect.text_len")),
     "pretrain": ("flowrl_jax.pretrain", ("model", "text", "mesh", "seed", "pretrain.steps", "pretrain.batch_size")),
     "train_reward": ("flowrl_jax.train_reward", ("seed", "reward.base", "reward.steps")),
-    "export": ("flowrl_jax.assets", ("seed", "export.workdir", "export.name")),
-    "train": ("flowrl_jax.train", ("seed", "base", "sampler.kind", "train.iterations", "objective.name")),
+    "export": ("flowrl_jax.export", ("seed", "export.workdir", "export.name")),
+    "train": ("flowrl_jax.train", ("seed", "world.name", "sampler.kind", "train.iterations", "objective.name")),
     "eval": ("flowrl_jax.evaluate", ("seed", "eval.checkpoint", "eval.split", "eval.num_steps")),
 }
 
@@ -61,8 +61,8 @@ def parse_flags(argv):
         _fail(lines[0].split(":")[0] + ": " + lines[-1] if "Traceback" in str(e) else " ".join(lines))
 
 
-def run_job(config, workdir: str | None):
-    """Check `config` for its job, run it and return what it returns."""
+def job_module(config):
+    """The module of `config.job` once the config has the fields that job requires (ConfigError otherwise)."""
     job = config.get("job")
     if not job:
         raise ConfigError("config has no field 'job'; set config.job to one of " + ", ".join(sorted(JOBS)))
@@ -70,7 +70,19 @@ def run_job(config, workdir: str | None):
         raise ConfigError(f"unknown job {job!r} (config.job); known jobs: {', '.join(sorted(JOBS))}")
     module, required = JOBS[job]
     require(config, required)
-    return importlib.import_module(module).run(config, workdir)
+    return importlib.import_module(module)
+
+
+def validate(config) -> None:
+    """Every check of `config` that needs no model or data: its job's fields and the job's own `validate`."""
+    module = job_module(config)
+    if hasattr(module, "validate"):
+        module.validate(config)
+
+
+def run_job(config, workdir: str | None):
+    """Check `config` for its job, run it and return what it returns."""
+    return job_module(config).run(config, workdir)
 
 
 def main(argv) -> None:

@@ -1,6 +1,7 @@
 """The text-to-image pipeline of the embedded world: tokenizer -> text encoder -> MMDiT -> sampler.
 
-    pipe = Pipeline(dit, text, tokenizer)
+    pipe = build_pipeline(config)                                # config.model (the DiT), config.text; a new tokenizer
+    params = init_params(pipe, rng)                              # {"dit", "text"}
     ids, mask = pipe.tokenize(["a red circle", ""])              # host, numpy
     images = pipe.sample(params, ids, mask, rng, num_steps=20, cfg=4.0, shift=1.0)   # pure, jit it
 
@@ -16,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flowrl_jax.models import text as text_lib
+from flowrl_jax.data import shapes
+from flowrl_jax.models import build_mmdit, text as text_lib
 from flowrl_jax.models.mmdit import MMDiT
 from flowrl_jax.sampling import rollout, schedule
 
@@ -54,3 +56,30 @@ class Pipeline:
         velocity = rollout.guided(self.velocity_fn(params["dit"]), cond, self.null_condition(params["text"], ids.shape[0]), cfg)
         x_T = jax.random.normal(rng, self.image_shape(ids.shape[0]))
         return rollout.sample(velocity, x_T, schedule.sigmas(num_steps, shift))
+
+
+def world_vocabulary() -> list[str]:
+    """Every word of the train and test prompt sets (the grammar's whole vocabulary)."""
+    return sorted({w for split in ("train", "test") for p in shapes.load_prompts(split) for w in p["prompt"].lower().split()})
+
+
+def build_pipeline(config, tokenizer=None) -> Pipeline:
+    """Pipeline from `config.model` (the DiT) and `config.text` (the encoder's width/depth)."""
+    tokenizer = tokenizer or text_lib.build_tokenizer(world_vocabulary())
+    dit = build_mmdit(config.model)
+    text = text_lib.TextEncoder(vocab_size=len(tokenizer), out_dim=dit.joint_attention_dim, pooled_dim=dit.pooled_projection_dim,
+                                **dict(config.text))
+    return Pipeline(dit, text, tokenizer)
+
+
+def model_description(config) -> dict:
+    """What `assets.load_pipeline` needs to rebuild the pipeline: written as model.json."""
+    return {"model": config.model.to_dict(), "text": config.text.to_dict()}
+
+
+def init_params(pipe: Pipeline, rng) -> dict:
+    k_dit, k_text = jax.random.split(rng)
+    ids, mask = (jnp.asarray(a) for a in pipe.tokenize([""]))
+    text_params = pipe.text.init(k_text, ids, mask)["params"]
+    x, t, _, _ = pipe.dit.dummy_inputs()
+    return {"dit": pipe.dit.init(k_dit, x, t, *pipe.encode(text_params, ids, mask))["params"], "text": text_params}

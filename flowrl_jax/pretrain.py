@@ -27,35 +27,7 @@ from flowrl_jax import evaluate, metrics, parallel
 from flowrl_jax.checkpoint import Checkpointer
 from flowrl_jax.config_lib import ConfigError
 from flowrl_jax.data import shapes
-from flowrl_jax.models import build_mmdit, text as text_lib
-from flowrl_jax.pipeline import Pipeline
-
-
-def world_vocabulary() -> list[str]:
-    """Every word of the train and test prompt sets (the grammar's whole vocabulary)."""
-    return sorted({w for split in ("train", "test") for p in shapes.load_prompts(split) for w in p["prompt"].lower().split()})
-
-
-def build_pipeline(config, tokenizer=None) -> Pipeline:
-    """Pipeline from `config.model` (the DiT) and `config.text` (the encoder's width/depth)."""
-    tokenizer = tokenizer or text_lib.build_tokenizer(world_vocabulary())
-    dit = build_mmdit(config.model)
-    text = text_lib.TextEncoder(vocab_size=len(tokenizer), out_dim=dit.joint_attention_dim, pooled_dim=dit.pooled_projection_dim,
-                                **dict(config.text))
-    return Pipeline(dit, text, tokenizer)
-
-
-def model_description(config) -> dict:
-    """What `assets.load_pipeline` needs to rebuild the pipeline: written as model.json."""
-    return {"model": config.model.to_dict(), "text": config.text.to_dict()}
-
-
-def init_params(pipe: Pipeline, rng) -> dict:
-    k_dit, k_text = jax.random.split(rng)
-    ids, mask = (jnp.asarray(a) for a in pipe.tokenize([""]))
-    text_params = pipe.text.init(k_text, ids, mask)["params"]
-    x, t, _, _ = pipe.dit.dummy_inputs()
-    return {"dit": pipe.dit.init(k_dit, x, t, *pipe.encode(text_params, ids, mask))["params"], "text": text_params}
+from flowrl_jax.pipeline import Pipeline, build_pipeline, init_params, model_description
 
 
 def make_optimizer(cfg) -> optax.GradientTransformation:
@@ -145,7 +117,9 @@ def run(config, workdir: str | None) -> dict:
 
     state, shardings = parallel.init_sharded(init_state, rng, mesh, config.partition_rules, config.min_fsdp_size)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.keep_checkpoints)
-    restored, _ = ckpt.restore_latest(state)
+    restored, _, skipped = ckpt.restore_latest(state)
+    for step, reason in skipped:
+        print(f"checkpoint step {step} in {ckpt.directory} is damaged ({reason}); resuming from an older step")
     if restored is not None:
         state = restored
         print(f"resumed from step {int(state['step'])} in {ckpt.directory}")

@@ -11,7 +11,7 @@ from flowrl_jax.credit import spatial, turning_point
 from flowrl_jax.data import curriculum
 from flowrl_jax.objectives import grpo
 from flowrl_jax.sampling import kernels, rollout, schedule
-from flowrl_jax.train import make_completion_fn
+from flowrl_jax.policy import PolicyFns
 from tests.conftest import gaussian_velocity
 
 GROUPS = np.array([0, 0, 0, 1, 1, 1])
@@ -85,29 +85,22 @@ def test_turning_point_advantage_sits_on_the_trained_steps_group_normalized():
         np.testing.assert_allclose(adv[:, t, 0], _group_norm(np.asarray(r_tilde[:, k]), group_std=True), rtol=1e-4, atol=1e-5)
 
 
-class _FakePolicy:
-    """What make_completion_fn needs of train.Policy: a velocity from trainable 'params' (a scalar here)."""
-    def __init__(self, base):
-        self.base = base
-
-    def sampling_variables(self, trainable, frozen_dit):
-        return trainable
-
-    def velocity_fn(self, theta):
-        return lambda x, sigma, cond: theta * self.base(x, sigma) + 0.0 * cond.sum()
-
-
 def test_ode_completions_equal_the_ode_sampler_from_each_state():
-    config = ConfigDict({"sampler": {"num_steps": 6, "shift": 1.0, "cfg": 1.0}})
-    complete = jax.jit(make_completion_fn(_FakePolicy(gaussian_velocity(0.3, 0.6)), config), static_argnums=5)
+    """`rollout.complete` against `rollout.sample` run from each state on its own, with a per-sample
+    condition (the velocity's scale) that must follow each sample's `m` repeated rows."""
     sigmas = schedule.sigmas(6, 1.0)
     states = jax.random.normal(jax.random.PRNGKey(0), (3, 2, 4, 4, 2))
     steps = (1, 4)
-    cond = jnp.zeros((3, 1))
-    out = complete(0.9, {"dit": None}, cond, cond, states, steps)
-    velocity = lambda x, s: 0.9 * gaussian_velocity(0.3, 0.6)(x, s)  # noqa: E731
-    for j, t in enumerate(steps):
-        np.testing.assert_allclose(out[:, j], rollout.sample(velocity, states[:, j], sigmas[t:]), atol=1e-5)
+    scale = jnp.array([[0.9], [1.1], [0.5]])
+    base = gaussian_velocity(0.3, 0.6)
+    velocity_fn = lambda x, s, c: c[:, 0][:, None, None, None] * base(x, s)  # noqa: E731
+    velocity_of = lambda repeat: rollout.guided(velocity_fn, repeat(scale), repeat(jnp.zeros_like(scale)), 1.0)  # noqa: E731
+    out = jax.jit(lambda st: rollout.complete(velocity_of, st, steps, sigmas))(states)
+    for b in range(3):
+        velocity = lambda x, s: scale[b, 0] * base(x, s)  # noqa: E731
+        for j, t in enumerate(steps):
+            # float32 Euler from the same state, the same ops in another batch layout: 1e-5 ~ 6 steps x a few ulps of |x| <= 4
+            np.testing.assert_allclose(out[b, j], rollout.sample(velocity, states[b:b + 1, j], sigmas[t:])[0], atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------- spatial
@@ -220,9 +213,13 @@ def _lambda_setup(b=6):
     rows, steps = (a.ravel().astype(np.int32) for a in np.meshgrid(np.arange(b), np.arange(5), indexing="ij"))
     adv = jax.random.normal(jax.random.PRNGKey(2), (b, 1, 1))
     mb = grpo.gather_pairs(ro, adv, jnp.zeros((b, 1)), jnp.zeros((b, 1)), rows, steps, np.ones(len(rows), np.float32))
-    options = ConfigDict(dict(clip_range=0.05, beta=0.0, ratio="sample", kl_form="exact", patch_size=2,
+    options = ConfigDict(dict(clip_range=0.05, beta=0.0, ratio="sample", kl_form="exact", lambda_control=False, patch_size=2,
                               logprob_form="gaussian", num_steps=6, kernel="sde"))
-    return mb, mean_fn, options
+    return mb, PolicyFns(mean_fn, None, None), options
+
+
+def _lambda(options):
+    return ConfigDict({**options.to_dict(), "lambda_control": True})
 
 
 def test_path_variance_prediction_matches_measurement_and_lambda_control_is_on_policy_neutral():
@@ -231,7 +228,7 @@ def test_path_variance_prediction_matches_measurement_and_lambda_control_is_on_p
     measured, predicted = np.asarray(aux["path_variance_per_step"])[:5], np.asarray(aux["path_variance_pred_per_step"])[:5]
     assert np.all(measured > 0)
     np.testing.assert_allclose(predicted, measured, rtol=2e-3)
-    loss_l, aux_l = grpo.lambda_loss(1.0, 1.0, mb, mean_fn, options)  # on policy: V = 0, calibrated ratio 1
+    loss_l, aux_l = grpo.clipped_loss(1.0, 1.0, mb, mean_fn, _lambda(options))  # on policy: V = 0, calibrated ratio 1
     np.testing.assert_allclose(aux_l["ratio_mean_per_step"][:5], 1.0, atol=2e-5)
     w = grpo.effort_weights("sde", mb)
     np.testing.assert_allclose(float(w.mean()), 1.0, rtol=1e-5)  # every trained step equally represented
@@ -240,10 +237,10 @@ def test_path_variance_prediction_matches_measurement_and_lambda_control_is_on_p
 
 def test_lambda_budget_drops_the_gradient_of_steps_over_budget():
     mb, mean_fn, options = _lambda_setup()
-    grad = lambda theta, opts: jax.grad(lambda th: grpo.lambda_loss(th, 1.0, mb, mean_fn, opts)[0])(theta)  # noqa: E731
-    _, aux = grpo.lambda_loss(2.5, 1.0, mb, mean_fn, options)  # every step's V_t over eps^2 D = 0.08
+    grad = lambda theta, opts: jax.grad(lambda th: grpo.clipped_loss(th, 1.0, mb, mean_fn, _lambda(opts))[0])(theta)  # noqa: E731
+    _, aux = grpo.clipped_loss(2.5, 1.0, mb, mean_fn, _lambda(options))  # every step's V_t over eps^2 D = 0.08
     assert float(aux["over_budget_fraction"]) == 1.0 and float(grad(2.5, options)) == 0.0
-    _, aux = grpo.lambda_loss(1.8, 1.0, mb, mean_fn, options)  # only the first step within budget (V_0 ~ 0.05)
+    _, aux = grpo.clipped_loss(1.8, 1.0, mb, mean_fn, _lambda(options))  # only the first step within budget (V_0 ~ 0.05)
     v = np.asarray(aux["path_variance_per_step"])[:5]
     assert v[0] < 0.08 < v[1:].min() and float(aux["over_budget_fraction"]) == pytest.approx(0.8)
     assert abs(float(grad(1.8, options))) > 0

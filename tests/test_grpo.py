@@ -11,7 +11,8 @@ from flowrl_jax import credit as credit_lib
 from flowrl_jax.credit import group
 from flowrl_jax.objectives import grpo
 from flowrl_jax.sampling import kernels, rollout, schedule
-from flowrl_jax.train import minibatches
+from flowrl_jax.policy import PolicyFns
+from flowrl_jax.steps import minibatches
 from tests.conftest import gaussian_velocity
 
 
@@ -73,14 +74,14 @@ def _setup(kind="sde", b=6, seed=0):
 
 
 def _options(**kw):
-    return ConfigDict(dict(dict(clip_range=0.01, beta=0.04, ratio="sample", kl_form="exact", patch_size=2,
+    return ConfigDict(dict(dict(clip_range=0.01, beta=0.04, ratio="sample", kl_form="exact", lambda_control=False, patch_size=2,
                                 logprob_form="gaussian", num_steps=6, kernel="sde"), **kw))
 
 
 def test_uniform_per_sample_loss_reproduces_flow_grpo():
     ro, mb, mean_fn, adv = _setup()
     theta, eps, beta = 1.05, 0.01, 0.04
-    loss, aux = grpo.clipped_loss(theta, 1.0, mb, mean_fn, _options())
+    loss, aux = grpo.clipped_loss(theta, 1.0, mb, PolicyFns(mean_fn, None, None), _options())
     # Flow-GRPO written out: per-sample log-prob = mean over all elements of norm.logpdf
     mean, std, _ = mean_fn(theta, mb)
     s = np.asarray(std)[:, None, None, None]
@@ -98,7 +99,7 @@ def test_uniform_per_sample_loss_reproduces_flow_grpo():
 @pytest.mark.parametrize("ratio", ["sample", "token"])
 def test_on_policy_ratio_is_one_and_the_loss_is_minus_the_mean_advantage(ratio):
     ro, mb, mean_fn, adv = _setup(kind="cps")
-    loss, aux = grpo.clipped_loss(1.0, 1.0, mb, mean_fn, _options(ratio=ratio, kernel="cps"))
+    loss, aux = grpo.clipped_loss(1.0, 1.0, mb, PolicyFns(mean_fn, None, None), _options(ratio=ratio, kernel="cps"))
     np.testing.assert_allclose(aux["ratio_mean_per_step"], 1.0, atol=2e-5)
     np.testing.assert_allclose(aux["ratio_std_per_step"], 0.0, atol=2e-5)
     assert float(aux["clipfrac"]) == 0.0 and float(aux["kl"]) == 0.0 and float(aux["approx_kl"]) < 1e-10
@@ -107,8 +108,8 @@ def test_on_policy_ratio_is_one_and_the_loss_is_minus_the_mean_advantage(ratio):
 
 def test_kl_is_the_gaussian_kl_and_the_flow_grpo_form_drops_sqrt_dt():
     ro, mb, mean_fn, _ = _setup()
-    _, aux = grpo.clipped_loss(1.1, 1.0, mb, mean_fn, _options(beta=1.0))
-    _, aux_compat = grpo.clipped_loss(1.1, 1.0, mb, mean_fn, _options(beta=1.0, kl_form="flow_grpo"))
+    _, aux = grpo.clipped_loss(1.1, 1.0, mb, PolicyFns(mean_fn, None, None), _options(beta=1.0))
+    _, aux_compat = grpo.clipped_loss(1.1, 1.0, mb, PolicyFns(mean_fn, None, None), _options(beta=1.0, kl_form="flow_grpo"))
     # the closed-form KL(N(m1, s1^2) || N(m2, s2^2)) per element, averaged like the objective
     mean, std, _ = mean_fn(1.1, mb)
     ref, _, _ = mean_fn(1.0, mb)
@@ -123,7 +124,7 @@ def test_kl_is_the_gaussian_kl_and_the_flow_grpo_form_drops_sqrt_dt():
 def test_token_ratio_with_token_constant_advantage_has_the_per_sample_gradient_on_policy():
     # On policy, d/dtheta mean_k(rho_k A) = A d/dtheta mean_k l_k = the per-sample ratio's gradient.
     ro, mb, mean_fn, _ = _setup()
-    g_sample = jax.grad(lambda th: grpo.clipped_loss(th, 1.0, mb, mean_fn, _options(beta=0.0))[0])(1.0)
-    g_token = jax.grad(lambda th: grpo.clipped_loss(th, 1.0, mb, mean_fn, _options(beta=0.0, ratio="token"))[0])(1.0)
+    g_sample = jax.grad(lambda th: grpo.clipped_loss(th, 1.0, mb, PolicyFns(mean_fn, None, None), _options(beta=0.0))[0])(1.0)
+    g_token = jax.grad(lambda th: grpo.clipped_loss(th, 1.0, mb, PolicyFns(mean_fn, None, None), _options(beta=0.0, ratio="token"))[0])(1.0)
     np.testing.assert_allclose(g_token, g_sample, rtol=1e-4)
     assert abs(float(g_sample)) > 0

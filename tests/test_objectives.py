@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from flowrl_jax.objectives import advantage_flow, leap, nft
-from flowrl_jax.train import PolicyFns
+from flowrl_jax.policy import PolicyFns
 from flowrl_jax.sampling import schedule
 from tests.conftest import gaussian_velocity
 

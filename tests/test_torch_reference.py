@@ -16,14 +16,17 @@ from benchmarks import compare_torch as ct, torch_reference as tr  # noqa: E402
 from flowrl_jax import config_lib  # noqa: E402
 
 FIELDS = {"sampler": dict(num_steps=4, sde_window=(0, 2)), "train": dict(prompts_per_iteration=2, group_size=4, minibatches=2, lora_rank=4),
-          "objective": dict(clip_range=0.2, beta=0.04)}
+          "objective.grpo": dict(clip_range=0.2, beta=0.04)}
 
 
 @pytest.fixture(scope="module")
 def pair():
     config = config_lib.embedded_train_config()
     for section, fields in FIELDS.items():
-        config[section].update(fields)
+        node = config
+        for part in section.split("."):
+            node = node[part]
+        node.update(fields)
     pipe, base = ct.random_base("tiny")
     return ct.build_pair(config, pipe, base, lora_b_scale=0.05)
 
@@ -57,7 +60,7 @@ def test_torch_reference_matches_flowrl_jax(pair):
     # the second minibatch comes after one AdamW step: the ratio is no longer 1 on either side
     assert float(stats[1]["approx_kl"]) > 0
     # and after both steps the adapters agree (measured: 4e-8 apart; one step moves them by ~lr = 3e-4)
-    ours = flax.traverse_util.flatten_dict(jax.device_get(pair.steps.state["params"]), sep="/")
+    ours = flax.traverse_util.flatten_dict(jax.device_get(pair.steps.state.params), sep="/")
     theirs = side.adapters()
     assert sorted(ours) == sorted(theirs)
     for path, value in ours.items():

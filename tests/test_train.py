@@ -6,16 +6,17 @@ import os
 import shutil
 import signal
 
+import chex
 import jax
 import numpy as np
 import pytest
 
-from flowrl_jax import checkpoint, main, parallel, rewards, train
+from flowrl_jax import assets, checkpoint, main, parallel, rewards
 from flowrl_jax.config_lib import ConfigError
 from tests.conftest import load_config
 
 TINY = {"sampler.num_steps": 3, "train.iterations": 4, "train.prompts_per_iteration": 2, "train.group_size": 4,
-        "train.minibatches": 2, "train.lr": 1e-3, "objective.clip_range": 0.2, "eval.at_start": False, "eval.every": 0,
+        "train.minibatches": 2, "train.lr": 1e-3, "objective.grpo.clip_range": 0.2, "eval.at_start": False, "eval.every": 0,
         "eval.per_category": 1, "eval.num_steps": 2, "eval.batch_size": 8, "checkpoint.every": 1}
 
 
@@ -28,7 +29,7 @@ def base(tmp_path_factory):
 
 
 def _run(base_workdir, workdir, **fields):
-    return main.run_job(load_config("configs/flow_grpo.py", **{"base": base_workdir, **TINY, **fields}), str(workdir))
+    return main.run_job(load_config("configs/flow_grpo.py", **{"world.base": base_workdir, **TINY, **fields}), str(workdir))
 
 
 def _state(workdir, step=None):
@@ -50,19 +51,32 @@ def test_train_writes_tables_metrics_grids_and_report(base, tmp_path, capsys):
                                      "ratio_mean/step_0", "ratio_std/step_2"} <= set(train_rows[0])
     assert "GenEval-style table, step 0 -> 2" in capsys.readouterr().out
     state = _state(str(tmp_path))
-    _, base_params, _ = train.load_base(base)
+    _, base_params, _ = assets.load_pipeline(base)
     moved = jax.tree_util.tree_map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), state["params"], base_params["dit"])
     assert max(jax.tree_util.tree_leaves(moved)) > 1e-4  # the policy was updated
 
 
-def test_resume_equals_uninterrupted_run(base, tmp_path):
+def _damage(step_folder):
+    """Overwrite every stored array file of a checkpoint step (what a disk fault or a killed copy leaves)."""
+    for root, _, files in os.walk(step_folder):
+        for f in files:
+            if "ocdbt" in root or f.endswith("manifest.ocdbt"):
+                with open(os.path.join(root, f), "wb") as out:
+                    out.write(b"\0" * 16)
+
+
+def test_resume_equals_uninterrupted_run_and_skips_a_damaged_checkpoint(base, tmp_path, capsys):
     _run(base, tmp_path / "full")
     _run(base, tmp_path / "part", **{"train.iterations": 2})
+    _damage(tmp_path / "part" / "checkpoints" / "2")  # the newest step is damaged: resume from step 1, keep step 2's files
+    capsys.readouterr()
     out = _run(base, tmp_path / "part")
     assert out["step"] == 4
-    full, part = _state(str(tmp_path / "full")), _state(str(tmp_path / "part"))
-    for a, b in zip(jax.tree_util.tree_leaves(full), jax.tree_util.tree_leaves(part)):
-        np.testing.assert_array_equal(a, b)
+    printed = capsys.readouterr()
+    assert "checkpoint step 2" in printed.out and "damaged" in printed.out and "resumed from step 1" in printed.out
+    assert "Event loop is closed" not in printed.out + printed.err
+    assert os.path.isdir(tmp_path / "part" / "checkpoints" / "2.damaged")  # set aside, not deleted
+    chex.assert_trees_all_equal(_state(str(tmp_path / "full")), _state(str(tmp_path / "part")))  # bit-exact
 
 
 def _patched_reward(monkeypatch, on_call):
@@ -118,13 +132,13 @@ def test_bad_inputs_are_one_line_errors_and_nothing_saved_changes(base, tmp_path
         for f in files:
             if "ocdbt" in root or f.endswith("manifest.ocdbt"):
                 open(os.path.join(root, f), "wb").close()  # truncate the stored arrays
-    cases = [({"prompts.train": str(empty)}, "is empty"),
-             ({"prompts.train": str(bad)}, "line 2 is not JSON"),
-             ({"prompts.test": str(tmp_path / "missing.jsonl")}, "not found"),
+    cases = [({"world.train_prompts": str(empty)}, "is empty"),
+             ({"world.train_prompts": str(bad)}, "line 2 is not JSON"),
+             ({"world.test_prompts": str(tmp_path / "missing.jsonl")}, "not found"),
              ({"train.rewards": (("no_such_reward", 1.0),)}, "unknown reward.*no_such_reward.*known rewards"),
-             ({"credit": ("nope",)}, "unknown credit scheme"),
-             ({"base": str(tmp_path / "no_base")}, "cannot load the base model"),
-             ({"base": str(corrupt)}, "cannot load the base model"),
+             ({"credit.names": ("nope",)}, "unknown credit scheme"),
+             ({"world.base": str(tmp_path / "no_base")}, "cannot load the base model"),
+             ({"world.base": str(corrupt)}, "cannot load the base model"),
              ({"sampler.kind": "ode"}, "cannot be trained on")]
     for fields, message in cases:
         with pytest.raises(ConfigError, match=message) as e:
@@ -160,8 +174,8 @@ def _brightness_reward(monkeypatch):
 
 def test_stepwise_adaptive_curriculum_and_lambda_control_run_together(base, tmp_path, monkeypatch):
     _brightness_reward(monkeypatch)
-    out = _run(base, tmp_path, **{"train.iterations": 2, "credit": ("stepwise", "adaptive"), "curriculum.enabled": True,
-                                  "objective.name": "lambda_grpo", "sampler.sde_window": (0, 2)})
+    out = _run(base, tmp_path, **{"train.iterations": 2, "credit.names": ("stepwise", "adaptive"), "curriculum.enabled": True,
+                                  "objective.grpo.lambda_control": True, "sampler.sde_window": (0, 2)})
     assert out["step"] == 2
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"reward"' in line]
     assert {"path_variance/step_0", "path_variance_pred/step_1", "path_variance_budget", "over_budget_fraction"} <= set(rows[-1])
@@ -173,17 +187,18 @@ def test_stepwise_adaptive_curriculum_and_lambda_control_run_together(base, tmp_
 
 def test_turning_points_compose_with_spatial_credit_and_draw_credit_maps(base, tmp_path, monkeypatch):
     _brightness_reward(monkeypatch)
-    out = _run(base, tmp_path, **{"train.iterations": 2, "credit": ("turning_point", "spatial"), "objective.ratio": "token"})
+    out = _run(base, tmp_path, **{"train.iterations": 2, "credit.names": ("turning_point", "spatial"), "objective.grpo.ratio": "token"})
     assert out["step"] == 2
     assert os.path.isfile(tmp_path / "credit_maps_000001.png") and os.path.isfile(tmp_path / "credit_maps_000002.png")
-    with pytest.raises(ConfigError, match="objective.ratio=token"):
-        _run(base, tmp_path / "bad", **{"credit": ("uniform", "spatial")})
+    with pytest.raises(ConfigError, match="credit spatial needs per-token ratios.*config.objective.grpo"):
+        _run(base, tmp_path / "bad", **{"credit.names": ("uniform", "spatial")})
 
 
 @pytest.mark.parametrize("name", ["advantage_flow", "nft", "leapalign"])
 def test_forward_process_and_leap_objectives_train_through_the_shared_loop(base, tmp_path, monkeypatch, name):
     _brightness_reward(monkeypatch)
-    out = _run(base, tmp_path, **{"train.iterations": 2, "objective.name": name, "objective.timesteps": 2, "sampler.kind": "ode"})
+    slots = {} if name == "leapalign" else {f"objective.{name}.timesteps": 2}
+    out = _run(base, tmp_path, **{"train.iterations": 2, "objective.name": name, "sampler.kind": "ode", **slots})
     assert out["step"] == 2
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"reward"' in line]
     assert rows[-1]["updates"] == TINY["train.minibatches"] and rows[-1]["kept_fraction"] == 1.0
@@ -201,8 +216,8 @@ def test_forward_process_and_leap_objectives_train_through_the_shared_loop(base,
 def test_objectives_reject_samplers_and_credit_they_cannot_use(base, tmp_path):
     for fields, match in [({"objective.name": "grpo", "sampler.kind": "ode"}, "cannot be trained on"),
                           ({"objective.name": "nft", "sampler.kind": "sde"}, "choose one of ode"),
-                          ({"objective.name": "lambda_grpo", "sampler.kind": "lc"}, "choose one of sde, cps"),
+                          ({"objective.grpo.lambda_control": True, "sampler.kind": "lc"}, "choose one of sde, cps"),
                           ({"objective.name": "nft", "sampler.kind": "ode", "sampler.same_noise_per_group": True}, "same_noise_per_group"),
-                          ({"objective.name": "advantage_flow", "sampler.kind": "ode", "credit": ("stepwise",)}, "no per-step")]:
+                          ({"objective.name": "advantage_flow", "sampler.kind": "ode", "credit.names": ("stepwise",)}, "needs per-step")]:
         with pytest.raises(ConfigError, match=match):
             _run(base, tmp_path / "bad", **fields)

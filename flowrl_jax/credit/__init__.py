@@ -1,68 +1,93 @@
 """Credit schemes: advantage transforms `(inputs, A, state) -> (A[b, t, k], state)` (SPEC.md §3).
 
-    credit = build(("uniform",), config.credit_options)
+    credit = build(config.credit.names, config.credit, global_std=True, clip=5.0)
     state = credit.init()
-    A, state = credit.apply(inputs, state)       # A [B, T, K] (K = 1 or N tokens, broadcastable)
+    extras = credit.prepare(ctx)                  # host side, once per iteration (credit.context.Context)
+    A, state = credit.apply(inputs, state)        # A [B, T, K] (K = 1 or N tokens), jit-compiled
 
 `inputs` is a dict: `rollout` (sampling.rollout.Rollout), `rewards [B]`, `group_ids [B]`,
 `num_groups`, `normalize` (`(r [B], group_std) -> A [B]`, SPEC §2 with the run's clip), and what each
 scheme's host-side `prepare(ctx, options)` added under its own name (the rewards of Tweedie estimates
-for stepwise credit, of ODE completions for turning points, learned-reward gradients for spatial
-credit; `ctx` is a `credit.context.Context` with the rollout and the tools). The chain starts from
-Flow-GRPO's group-relative advantage `A[b]` as `[B, 1, 1]` and each named scheme refines the
-previous one's output, so schemes compose: `("turning_point", "spatial")` re-weights turning-point
-step advantages per token. A scheme is `Scheme(init, apply)`; `apply(inputs, A, state, options)` is
-pure and jit-compiled inside the train step, `state` (e.g. a global reward baseline) is part of the
-checkpointed TrainState. New schemes register in `SCHEMES`.
+for stepwise credit, of ODE completions for turning points, reward-model gradients for spatial
+credit). The chain starts from Flow-GRPO's group-relative advantage `A[b]` as `[B, 1, 1]` and each
+named scheme refines the previous one's output, so schemes compose: `("turning_point", "spatial")`
+re-weights turning-point step advantages per token. `state` (e.g. a global reward baseline) is part of
+the checkpointed TrainState.
+
+A `Scheme` declares what it needs from the objective (`needs`: per-"step" or per-"token" ratios, checked
+against `Objective.offers`), its options with their defaults (`config.credit.<name>`), its host-side
+`prepare` and, optionally, `debug_images(ctx, extras, options) -> {stem: save_grid kwargs}`, which the
+train loop writes as `<stem>_<step>.png` at the first and the last iteration. A new scheme: its module
+and one entry in `SCHEMES`.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
+import chex
 import jax.numpy as jnp
 
 from flowrl_jax.credit import adaptive, group, spatial, stepwise, turning_point
-
-
-class Scheme(NamedTuple):
-    init: Callable[[Any], Any]           # options -> state pytree ({} when stateless)
-    apply: Callable[..., tuple[Any, Any]]  # (inputs, A, state, options) -> (A, state)
-    prepare: Callable | None = None      # host side: (ctx, options) -> pytree of global arrays, or None
+from flowrl_jax.options import resolve
 
 
 def _stateless(options):
     return {}
 
 
+class Scheme(NamedTuple):
+    apply: Callable[..., tuple[Any, Any]]  # (inputs, A, state, options) -> (A, state)
+    init: Callable[[Any], Any] = _stateless  # options -> state pytree ({} when stateless)
+    prepare: Callable | None = None        # host side: (ctx, options) -> pytree of global arrays
+    defaults: dict = {}                    # options and their defaults
+    needs: frozenset = frozenset()         # ratio granularities the objective must offer: "step", "token"
+    debug_images: Callable | None = None   # host side: (ctx, extras, options) -> {stem: metrics.save_grid kwargs}
+
+
 SCHEMES: dict[str, Scheme] = {
-    "uniform": Scheme(_stateless, group.uniform),
-    "stepwise": Scheme(_stateless, stepwise.apply, stepwise.prepare),
-    "turning_point": Scheme(_stateless, turning_point.apply, turning_point.prepare),
-    "spatial": Scheme(_stateless, spatial.apply, spatial.prepare),
-    "adaptive": Scheme(adaptive.init, adaptive.apply),
+    "uniform": Scheme(group.uniform),
+    "stepwise": Scheme(stepwise.apply, prepare=stepwise.prepare, needs=frozenset({"step"})),
+    "turning_point": Scheme(turning_point.apply, prepare=turning_point.prepare, needs=frozenset({"step"})),
+    "spatial": Scheme(spatial.apply, prepare=spatial.prepare, defaults=spatial.DEFAULTS, needs=frozenset({"step", "token"}),
+                      debug_images=spatial.debug_images),
+    "adaptive": Scheme(adaptive.apply, init=adaptive.init, defaults=adaptive.DEFAULTS),
 }
+
+
+def config_fields() -> dict:
+    """`config.credit`: the chain's names and every scheme's option sub-dict with its defaults."""
+    return {"names": ("uniform",), **{name: dict(s.defaults) for name, s in SCHEMES.items()}}
 
 
 class Credit(NamedTuple):
     names: tuple[str, ...]
+    needs: frozenset
     init: Callable[[], dict]
     apply: Callable[[dict, dict], tuple[Any, dict]]
-    prepare: Callable[[Any], dict]  # host side, before `apply`: ctx -> {name: extras} (global arrays)
+    prepare: Callable[[Any], dict]       # host side, before `apply`: ctx -> {name: extras} (global arrays)
+    debug_images: Callable[[Any, dict], dict]  # host side: (ctx, extras) -> {stem: save_grid kwargs}
 
 
-def build(names, options, global_std: bool = True, clip: float = 5.0) -> Credit:
-    """The composed scheme `names` (applied left to right) with per-scheme `options[name]`."""
+def build(names, options=None, global_std: bool = True, clip: float = 5.0) -> Credit:
+    """The composed scheme `names` (applied left to right); `options[name]` overrides a scheme's defaults."""
     names = (names,) if isinstance(names, str) else tuple(names)
     unknown = [n for n in names if n not in SCHEMES]
     if unknown or not names:
         raise ValueError(f"unknown credit scheme(s) {unknown or names}; known: {sorted(SCHEMES)}")
-    opts = {n: (options.get(n, {}) if options is not None else {}) for n in names}
+    opts = {n: resolve(SCHEMES[n].defaults, (options or {}).get(n), owner=f"credit.{n}") for n in names}
 
     def init() -> dict:
         return {n: SCHEMES[n].init(opts[n]) for n in names}
 
     def prepare(ctx) -> dict:
         return {n: SCHEMES[n].prepare(ctx, opts[n]) for n in names if SCHEMES[n].prepare is not None}
+
+    def debug_images(ctx, extras: dict) -> dict:
+        images = {}
+        for n in names:
+            if SCHEMES[n].debug_images is not None:
+                images.update(SCHEMES[n].debug_images(ctx, extras, opts[n]))
+        return images
 
     def apply(inputs: dict, state: dict):
         def normalize(r, group_std: bool = not global_std):
@@ -73,9 +98,14 @@ def build(names, options, global_std: bool = True, clip: float = 5.0) -> Credit:
         new_state = dict(state)
         for n in names:
             adv, new_state[n] = SCHEMES[n].apply(inputs, adv, state[n], opts[n])
+        batch, steps = inputs["rewards"].shape[0], inputs["rollout"].noise_levels.shape[0]
+        chex.assert_rank(adv, 3)
+        chex.assert_axis_dimension(adv, 0, batch)
+        assert adv.shape[1] in (1, steps), f"credit {names} gave A of shape {adv.shape}: its step axis must be 1 or T = {steps}"
         return adv, new_state
 
-    return Credit(names, init, apply, prepare)
+    needs = frozenset().union(*(SCHEMES[n].needs for n in names))
+    return Credit(names, needs, init, apply, prepare, debug_images)
 
 
 def kept_samples(adv, trained) -> jnp.ndarray:

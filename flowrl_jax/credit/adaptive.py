@@ -15,16 +15,12 @@ import jax.numpy as jnp
 DEFAULTS = {"alpha": 0.5, "decay": 0.9, "clip": 5.0}
 
 
-def _opt(options, name):
-    return float(options.get(name, DEFAULTS[name])) if options is not None else DEFAULTS[name]
-
-
 def init(options) -> dict:
     return {"mean": jnp.zeros((), jnp.float32), "var": jnp.ones((), jnp.float32), "count": jnp.zeros((), jnp.int32)}
 
 
 def apply(inputs: dict, adv, state, options):
-    alpha, decay, clip = (_opt(options, k) for k in ("alpha", "decay", "clip"))
+    alpha, decay, clip = (float(options[k]) for k in ("alpha", "decay", "clip"))
     r = inputs["rewards"].astype(jnp.float32)
     batch_mean, batch_var = jnp.mean(r), jnp.var(r)
     seen = state["count"] > 0

@@ -4,7 +4,7 @@
                                               final image, reduced over each DiT token's p*p*C pixels
     z = (c - median_k c) / (1.4826 MAD_k(c) + 1e-6),  clipped to [-z_clip, z_clip]
     w = N softmax(z / tau)                    mean 1 over the N tokens
-    A[b, t, k] = A[b, t] w[b, k]              run it with per-token ratios (objective.ratio = "token")
+    A[b, t, k] = A[b, t] w[b, k]              run it with per-token ratios (objective.grpo.ratio = "token")
 
 Median/MAD (not mean/std) keep one outlier token from rescaling every other token's z. The clip at
 `z_clip` is ours (SPEC gives none): without it a single extreme token takes all the softmax mass and
@@ -18,14 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flowrl_jax import metrics
 from flowrl_jax.models.mmdit import patchify
 
 DEFAULTS = {"tau": 2.0, "z_clip": 3.0}
-
-
-def _opt(options, name):
-    return float(options.get(name, DEFAULTS[name])) if options is not None else DEFAULTS[name]
 
 
 def prepare(ctx, options) -> dict:
@@ -53,7 +48,7 @@ def patch_size_of(ro) -> int:
 def weights(inputs: dict, options):
     ro = inputs["rollout"]
     c = token_norms(inputs["spatial"]["gradient"], patch_size_of(ro))
-    return mad_weights(c, _opt(options, "tau"), _opt(options, "z_clip"))
+    return mad_weights(c, float(options.tau), float(options.z_clip))
 
 
 def apply(inputs: dict, adv, state, options):
@@ -61,9 +56,16 @@ def apply(inputs: dict, adv, state, options):
     return adv * w[:, None, :], state
 
 
-def save_credit_maps(images, w, patch_size: int, path: str, labels=None, n: int = 12) -> str:
-    """A PNG: the first `n` samples (top row) and their credit maps over them (bottom row, brighter =
-    more credit; each map scaled to its own max)."""
+def debug_images(ctx, extras: dict, options) -> dict:
+    """{"credit_maps": save_grid kwargs}: the first `n` samples of this process (top row) and their credit
+    maps over them (bottom row, brighter = more credit; each map scaled to its own max)."""
+    w = weights({"rollout": ctx.rollout, **extras}, options)
+    images, labels = ctx.local(ctx.decode(ctx.rollout.final)), [p["prompt"] for p in ctx.prompts_local]
+    return {"credit_maps": overlay_grid(images, ctx.local(w), patch_size_of(ctx.rollout), labels)}
+
+
+def overlay_grid(images, w, patch_size: int, labels=None, n: int = 12) -> dict:
+    """`metrics.save_grid` kwargs: images [B, H, W, 3] in [-1, 1] over their token weights w [B, N] as a heat map."""
     images, w = np.asarray(images[:n], np.float32), np.asarray(w[:n], np.float32)
     b, h, wd, _ = images.shape
     g = (h // patch_size, wd // patch_size)
@@ -71,5 +73,5 @@ def save_credit_maps(images, w, patch_size: int, path: str, labels=None, n: int 
     maps = np.kron(maps, np.ones((patch_size, patch_size)))[..., None]
     heat = np.concatenate([maps, maps * 0.6, 1 - maps], axis=-1) * 2 - 1  # blue (little) -> orange (much)
     overlay = 0.45 * images + 0.55 * heat
-    return metrics.save_grid(np.concatenate([images, overlay]), path, rows=2, labels=list(labels[:n]) * 2 if labels else None,
-                             row_titles=["sample", "credit w"])
+    return {"images": np.concatenate([images, overlay]), "rows": 2, "labels": list(labels[:n]) * 2 if labels else None,
+            "row_titles": ["sample", "credit w"]}

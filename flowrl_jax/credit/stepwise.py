@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 def prepare(ctx, options) -> dict:
     """Rewards of every step's Tweedie estimate and of the final sample -> {"step_rewards": [B, T + 1]}."""
     ro = ctx.rollout
-    images = np.concatenate([ctx.local(ro.x0_hat), ctx.local(ro.final)[:, None]], axis=1)
-    return {"step_rewards": ctx.rewards_of(images)}
+    return {"step_rewards": ctx.rewards_of(jnp.concatenate([ro.x0_hat, ro.final[:, None]], axis=1))}
 
 
 def gains(step_rewards):

@@ -11,7 +11,7 @@ Balanced bonus: over the batch, keep `min(#pos, #neg)` turning points of each si
 the largest `|D_g|` (ties: lower index first); the rest fall back to `d_k`. Turning points with
 `D_g = 0` have no sign and fall back too (our reading: SPEC balances the two signs only).
 Advantage: `R~_k` normalized per step within each prompt group (group std), clipped -> `A [B, T, 1]`,
-0 on untrained steps. The completions are one batched ODE scan (`train.make_completion_fn`).
+0 on untrained steps. The completions are one batched ODE scan (`sampling.rollout.complete`).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def prepare(ctx, options) -> dict:
     """-> {"completion_rewards": [B, m]}: rewards of the ODE completions from each trained step's state."""
     steps = np.flatnonzero(np.asarray(ctx.rollout.noise_levels) > 0)
     completions = ctx.ode_completions(steps)
-    return {"completion_rewards": ctx.rewards_of(ctx.local(completions))}
+    return {"completion_rewards": ctx.rewards_of(completions)}
 
 
 def turning_points(completion_rewards, final_rewards):

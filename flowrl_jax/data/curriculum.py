@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import numpy as np
 
-DEFAULTS = {"lo": 0.1, "hi": 0.9, "floor": 0.05, "explore": 0.1, "decay": 0.7}
+from flowrl_jax.options import resolve
+
+DEFAULTS = {"enabled": False, "lo": 0.1, "hi": 0.9, "floor": 0.05, "explore": 0.1, "decay": 0.7}
 
 
-def _opt(options, name):
-    return float(options.get(name, DEFAULTS[name])) if options is not None else DEFAULTS[name]
+def _opt(options, name) -> float:
+    return float(resolve(DEFAULTS, options, owner="curriculum")[name])
 
 
 def init(num_prompts: int) -> dict:

@@ -1,6 +1,9 @@
 """The DiT and its weights: `mmdit` (model), `convert` (diffusers weights), `lora` (adapters)."""
+import jax
 import jax.numpy as jnp
 
+from flowrl_jax import parallel
+from flowrl_jax.models import convert
 from flowrl_jax.models.mmdit import MMDiT, patchify, unpatchify
 
 _NON_MODULE_FIELDS = ("weights",)
@@ -19,11 +22,6 @@ def create_params(model_config, mesh, rules, min_fsdp_size: int, rng):
     """Build the MMDiT of `config.model` and its params already sharded on `mesh`: loaded from the
     diffusers folder `model_config.weights` when set (its config.json defines the shape), else a
     fresh init. Returns (model, params, shardings)."""
-    import jax
-
-    from flowrl_jax import parallel
-    from flowrl_jax.models import convert
-
     model = build_mmdit(model_config)
     if model_config.weights:
         model, host_params = convert.load_diffusers(model_config.weights, dtype=model.dtype, param_dtype=model.param_dtype,

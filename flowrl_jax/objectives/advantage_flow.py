@@ -2,14 +2,14 @@
 
     loss, aux = advantage_flow.loss(variables, ref_variables, mb, fns, options)   # mb: forward.forward_pairs
 
-SPEC's form (`af_regularizer="samples"`): `L = mean_i (beta + A_i) ||v_theta(x_t^i, t_i) - u_i||^2`,
+SPEC's form (`regularizer="samples"`): `L = mean_i (beta + A_i) ||v_theta(x_t^i, t_i) - u_i||^2`,
 `u_i = eps_i - x0^i`, over the policy's own samples, `beta = max_i(-A_i) + beta0` (the max over the
 iteration's whole batch), so every weight is at least `beta0 > 0` and the loss is a non-negative
 combination of convex quadratics in `v`. The `beta` part is plain flow matching on the rollout
 policy's samples; the `A` part tilts it toward the better samples: the minimizer fits
 `q(x0) ~ pi_old(x0) (1 + A(x0) / beta)`.
 
-The default (`af_regularizer="rollout_velocity"`, our cut, WORKSPACE_NOTES.md): the `beta` part's target
+The default (`regularizer="rollout_velocity"`, our variant, WORKSPACE_NOTES.md): the `beta` part's target
 `u_i` is replaced by the rollout policy's own velocity `v_old(x_t^i, t_i)`,
 `L = mean_i [beta ||v_theta - v_old||^2 + A_i ||v_theta - u_i||^2]`. When `v_old` is the exact
 flow of its samples, `v_old(x_t) = E[u | x_t]` and the two losses have the same expected gradient
@@ -17,17 +17,24 @@ flow of its samples, `v_old(x_t) = E[u | x_t]` and the two losses have the same 
 sampler's discretization error, which made SPEC's form drift to blank images in every setting tried.
 Per pair the Hessian in `v` is still `2 (beta + A_i) / D >= 2 beta0 / D`: convex.
 `||.||^2` is the mean over elements (our reading: it keeps `beta0` free of the image size). The
-velocity is the sampler's (CFG `objective.train_cfg`), the policy that drew the samples.
+velocity is the sampler's (CFG `train_cfg`, 0 = the sampler's), the policy that drew the samples. Options
+(`DEFAULTS`, `config.objective.advantage_flow`): timesteps, train_cfg, beta0, regularizer.
 """
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
 from flowrl_jax.objectives.forward import weighted_mean
 
-DEFAULTS = {"beta0": 1.0, "af_regularizer": "rollout_velocity"}
+DEFAULTS = {"timesteps": 4, "train_cfg": 0.0, "beta0": 1.0, "regularizer": "rollout_velocity"}
 REGULARIZERS = ("samples", "rollout_velocity")
+
+
+def check(options, sampler) -> None:
+    if options.regularizer not in REGULARIZERS:
+        raise ValueError(f"unknown objective.advantage_flow.regularizer {options.regularizer!r}; choose one of {', '.join(REGULARIZERS)}")
 
 
 def rollout_policy_decay(step):
@@ -60,8 +67,9 @@ def weighted_flow_matching(v, target, adv, adv_floor, weight, beta0: float, v_ol
 
 
 def loss(variables, ref_variables, mb: dict, fns, options):
-    beta0 = float(options.get("beta0", DEFAULTS["beta0"]))
-    regularizer = options.get("af_regularizer", DEFAULTS["af_regularizer"])
+    beta0, regularizer = float(options["beta0"]), options["regularizer"]
+    chex.assert_equal_shape([mb["x_t"], mb["x0"], mb["eps"]])
+    chex.assert_equal_shape([mb["t"], mb["adv"], mb["weight"]])
     v = fns.velocity(variables, mb["x_t"], mb["t"], mb)
     v_old = fns.velocity(mb["old_variables"], mb["x_t"], mb["t"], mb) if regularizer == "rollout_velocity" else None
     sq, per_pair = _pair_terms(v, mb["eps"] - mb["x0"], mb["adv"], mb["adv_floor"], beta0, v_old)

@@ -1,6 +1,7 @@
 """Forward-process minibatches (SPEC.md §0, §6): the rollout's final samples `x0`, noised afresh.
 
     mb = forward_pairs(ro, adv, cond, null, rows, slots, weight, key, times)
+    mb = pairs(data, rows, slots, weight, key, options)    # the objectives' shared signature
 
 A pair is (sample `rows[m]`, time slot `slots[m]`): `t = times[slot]`, `eps ~ N(0, I)` drawn from
 `key`, `x_t = (1 - t) x0 + t eps`, flow-matching target `eps - x0`. `times` are `objective.timesteps`
@@ -10,10 +11,28 @@ noise levels, high to low. The per-sample advantage is the mean of the credit ch
 """
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flowrl_jax.sampling import kernels, schedule
+
+
+def slots(options, levels) -> np.ndarray:
+    """The time slots every sample is trained at: `0 .. options.timesteps - 1`."""
+    return np.arange(options.timesteps)
+
+
+def pairs(data: dict, rows, slots, weight, key, options) -> dict:
+    """`forward_pairs` at `training_times(options.timesteps, options.shift)` on {"rollout", "adv", "cond", "null"}."""
+    times = training_times(options.timesteps, options.shift)
+    return forward_pairs(data["rollout"], data["adv"], data["cond"], data["null"], rows, slots, weight, key, times)
+
+
+def offers(options) -> frozenset:
+    """No per-step or per-token ratio: only credit that yields one advantage per sample applies."""
+    return frozenset()
 
 
 def training_times(num_slots: int, shift: float) -> jnp.ndarray:
@@ -25,6 +44,7 @@ def training_times(num_slots: int, shift: float) -> jnp.ndarray:
 def forward_pairs(ro, adv, cond, null_cond, rows, slots, weight, key, times) -> dict:
     """The minibatch of M forward-process pairs (module doc): x0, eps, x_t [M, H, W, C], t [M], adv [M],
     `adv_floor` = max(-A) over the whole batch, the condition, weight [M] (0 on padding), slot [M]."""
+    chex.assert_rank([rows, slots, weight], 1)
     x0 = ro.final[rows]
     t = times[slots]
     eps = jax.random.normal(key, x0.shape, x0.dtype)

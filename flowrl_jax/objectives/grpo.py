@@ -1,13 +1,14 @@
 """The clipped GRPO objective on (sample, step) pairs with a KL to a frozen reference (SPEC.md §4).
 
-    loss, aux = clipped_loss(params, ref_params, mb, mean_fn, options)
+    loss, aux = clipped_loss(params, ref_params, mb, fns, options)     # fns: policy.PolicyFns (its `mean`)
 
 `mb` is a minibatch of M (sample, step) pairs gathered from a rollout (`gather_pairs`): states `x`,
 next states `x_next [M, H, W, C]`, the step's `sigma`, `sigma_next`, noise level `level`, the step
 index `step [M]`, the rollout policy's per-token log-probs `logp_old [M, N]`, the advantages
-`adv [M, K]` (K = 1 or N), the condition, and a `weight [M]` (0 on padding). `mean_fn(params, mb) ->
+`adv [M, K]` (K = 1 or N), the condition, and a `weight [M]` (0 on padding). `fns.mean(params, mb) ->
 (mean, std, v)` is the kernel mean (and std, and velocity at `mb.x`) of the policy with `params` at
-`mb.x` (the same kernel as the rollout).
+`mb.x` (the same kernel as the rollout). Options (`DEFAULTS`, `config.objective.grpo`): clip_range,
+beta, ratio, kl_form, lambda_control.
 
 - Ratio per sample (Flow-GRPO default): `rho = exp(mean_k l_theta - mean_k l_old)` with the token-mean
   advantage; per token (`ratio="token"`, what spatial credit needs): `rho[k] = exp(l_theta[k] - l_old[k])`.
@@ -17,7 +18,7 @@ index `step [M]`, the rollout policy's per-token log-probs `logp_old [M, N]`, th
 - Reported: clipfrac, approx_kl (`0.5 mean (log rho)^2`), the KL, the ratio's mean/std per step, and
   the path variance `V_t` per step, measured and predicted (below), for every run.
 
-lambda-controlled GRPO (`lambda_loss`, objective `lambda_grpo`, SPEC §4). With `dmu = mu_theta - mu_old`
+lambda-controlled GRPO (`lambda_control=True`, `configs/lambda_grpo.py`, SPEC §4). With `dmu = mu_theta - mu_old`
 the mean-reduced log-ratio has mean `-V/2` and variance `V/D`, `V = mean_e(dmu^2) / std^2`. Measured:
 `V` from the kernel means. Predicted: `kappa_t mean_e(dv^2)` with `dv = v_theta - v_old`
 (`v_old = (x - x0_hat) / sigma` from the rollout's Tweedie estimate) and the step's cost
@@ -29,14 +30,45 @@ steps whose minibatch-mean `V_t` exceeds the budget `lambda D = eps^2 D` that ro
 """
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flowrl_jax.models.mmdit import patchify
 from flowrl_jax.sampling import kernels
 
+DEFAULTS = {"clip_range": 1e-4, "beta": 0.04, "ratio": "sample", "kl_form": "exact", "lambda_control": False}
 RATIOS = ("sample", "token")
 KL_FORMS = ("exact", "flow_grpo")
+AFFINE_KINDS = ("sde", "cps")
+
+
+def check(options, sampler) -> None:
+    """ValueError naming the option when `options` (resolved) cannot train on `sampler`'s rollouts."""
+    if options.ratio not in RATIOS:
+        raise ValueError(f"objective.grpo.ratio={options.ratio!r}: choose one of {', '.join(RATIOS)}")
+    if options.kl_form not in KL_FORMS:
+        raise ValueError(f"objective.grpo.kl_form={options.kl_form!r}: choose one of {', '.join(KL_FORMS)}")
+    kinds = AFFINE_KINDS if options.lambda_control else ("sde", "cps", "lc")
+    if sampler.kind not in kinds:
+        raise ValueError(f"sampler.kind={sampler.kind!r} cannot be trained on by objective 'grpo'"
+                         f"{' with lambda_control' if options.lambda_control else ''}; choose one of {', '.join(kinds)}")
+
+
+def offers(options) -> frozenset:
+    """What credit schemes may rely on: per-step ratios, and per-token ones with `ratio="token"`."""
+    return frozenset({"step", "token"} if options.ratio == "token" else {"step"})
+
+
+def slots(options, levels: np.ndarray) -> np.ndarray:
+    """The trained steps: the SDE window's (noise level > 0)."""
+    return np.flatnonzero(np.asarray(levels))
+
+
+def pairs(data: dict, rows, slots, weight, key, options) -> dict:
+    """`gather_pairs` on the iteration's data {"rollout", "adv", "cond", "null"} (the shared signature)."""
+    return gather_pairs(data["rollout"], data["adv"], data["cond"], data["null"], rows, slots, weight)
 
 
 def gather_pairs(ro, adv, cond, null_cond, rows, steps, weight) -> dict:
@@ -83,15 +115,16 @@ def effort_weights(kind: str, mb: dict):
     return (1.0 / step_cost(kind, mb["sigma"], mb["sigma_next"], mb["level"], mb["sigma_1"])) / mean_inv
 
 
-def clipped_loss(params, ref_params, mb: dict, mean_fn, options, lambda_control: bool = False) -> tuple[jax.Array, dict]:
-    """-> (loss, aux) for `options` with fields clip_range, beta, ratio, kl_form, patch_size,
+def clipped_loss(params, ref_params, mb: dict, fns, options) -> tuple[jax.Array, dict]:
+    """-> (loss, aux) for `options` with fields clip_range, beta, ratio, kl_form, lambda_control, patch_size,
     logprob_form, num_steps, kernel (module doc); `lambda_control` adds SPEC §4's (i)-(iv)."""
-    if options.ratio not in RATIOS or options.kl_form not in KL_FORMS:
-        raise ValueError(f"ratio={options.ratio!r} (one of {RATIOS}), kl_form={options.kl_form!r} (one of {KL_FORMS})")
+    lambda_control = bool(options.lambda_control)
     affine = options.kernel != "lc"
     if lambda_control and not affine:
         raise ValueError("lambda-controlled GRPO needs an affine kernel (sampler.kind sde or cps), not lc")
-    mean, std, v = mean_fn(params, mb)
+    chex.assert_rank([mb["x"], mb["x_next"], mb["logp_old"], mb["adv"], mb["weight"]], [4, 4, 2, 2, 1])
+    chex.assert_equal_shape([mb["x"], mb["x_next"], mb["mean_old"]])
+    mean, std, v = fns.mean(params, mb)
     l_new = kernels.token_logprob(mb["x_next"], mean, std, options.patch_size, options.logprob_form)  # [M, N]
     w = mb["weight"]
     adv = mb["adv"]
@@ -121,7 +154,7 @@ def clipped_loss(params, ref_params, mb: dict, mean_fn, options, lambda_control:
 
     kl = jnp.zeros(())
     if options.beta > 0:
-        ref_mean, _, _ = mean_fn(ref_params, mb)
+        ref_mean, _, _ = fns.mean(ref_params, mb)
         ref_mean = jax.lax.stop_gradient(ref_mean)
         kl_std = std if options.kl_form == "exact" else std / jnp.sqrt(mb["sigma"] - mb["sigma_next"])
         kl_std = kernels.column(jnp.where(std > 0, kl_std, 1.0), mean)
@@ -145,8 +178,3 @@ def clipped_loss(params, ref_params, mb: dict, mean_fn, options, lambda_control:
            "path_variance_budget": jnp.asarray(budget, jnp.float32),
            "over_budget_fraction": jnp.sum(w * (1 - in_budget)) / total_w}
     return loss, aux
-
-
-def lambda_loss(params, ref_params, mb: dict, mean_fn, options):
-    """lambda-controlled GRPO (module doc): `clipped_loss` with the calibrated ratio, effort weights and budget."""
-    return clipped_loss(params, ref_params, mb, mean_fn, options, lambda_control=True)

@@ -1,6 +1,7 @@
 """LeapAlign: direct reward gradients through two leaps of an ODE trajectory (SPEC.md §6).
 
     mb = leap_pairs(ro, cond, null, rows, weight, key, extras)     # one pair per sample
+    mb = pairs(data, rows, slots, weight, key, options)            # the objectives' shared signature
     loss, aux = leap.loss(variables, ref_variables, mb, fns, options)
 
 The rollout is the ODE sampler (`sampler.kind="ode"`), run without gradient. Per sample, steps
@@ -13,16 +14,36 @@ as its value and the two leaps' Jacobians as its gradient; `R` is the shipped le
 that land closer to the real path count more (our reading: the per-element mean, so that `tau` does
 not scale with the image size; `w` is a weight, held constant). Two velocity calls with gradient per
 sample whatever `T` is, so the update's memory does not grow with the number of sampler steps.
+Options (`DEFAULTS`, `config.objective.leapalign`): train_cfg (the velocity's CFG, 0 = the sampler's), gamma, tau.
 """
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flowrl_jax.objectives.forward import weighted_mean
 from flowrl_jax.sampling import kernels
 
-DEFAULTS = {"gamma": 0.5, "tau": 0.01}
+DEFAULTS = {"train_cfg": 0.0, "gamma": 0.5, "tau": 0.01}
+
+
+def check(options, sampler) -> None:
+    if sampler.kind != "ode":
+        raise ValueError(f"sampler.kind={sampler.kind!r} cannot be trained on by objective 'leapalign' (it leaps along the "
+                         "ODE trajectory); choose one of ode")
+
+
+def slots(options, levels) -> np.ndarray:
+    """One pair per sample (its steps `k < j` are drawn inside the update)."""
+    return np.zeros(1, np.int64)
+
+
+def pairs(data: dict, rows, slots, weight, key, options) -> dict:
+    """`leap_pairs` on {"rollout", "cond", "null"} and the reward's tokens ("reward_ids", "reward_mask")."""
+    extras = {k: data[k] for k in ("reward_ids", "reward_mask")}
+    return leap_pairs(data["rollout"], data["cond"], data["null"], rows, weight, key, extras)
 
 
 def leap_pairs(ro, cond, null_cond, rows, weight, key, extras) -> dict:
@@ -56,8 +77,9 @@ def leap_weights(x_j_hat, x_j, weight, tau: float):
 
 
 def loss(variables, ref_variables, mb: dict, fns, options):
-    gamma = float(options.get("gamma", DEFAULTS["gamma"]))
-    tau = float(options.get("tau", DEFAULTS["tau"]))
+    gamma, tau = float(options["gamma"]), float(options["tau"])
+    chex.assert_equal_shape([mb["x_k"], mb["x_j"], mb["x0"]])
+    chex.assert_equal_shape([mb["sigma_k"], mb["sigma_j"], mb["weight"]])
     velocity = lambda x, sigma: fns.velocity(variables, x, sigma, mb)  # noqa: E731
     x0_tilde, x_j_hat = two_leaps(velocity, mb["x_k"], mb["x_j"], mb["x0"], mb["sigma_k"], mb["sigma_j"], gamma)
     w, err = leap_weights(x_j_hat, mb["x_j"], mb["weight"], tau)

@@ -8,17 +8,26 @@ Rollouts come from the *old* policy `theta_old` with a deterministic sampler (on
 `x0+- = x_t - t v+-`, adaptive weights `w+- = sg(mean |x0+- - x0|)` (at least 1e-5),
 `L = mean[(r ||x0+ - x0||^2 / w+ + (1 - r) ||x0- - x0||^2 / w-) / b] + beta_kl ||v_theta - v_ref||^2`,
 norms as means over elements. After each iteration `theta_old <- d theta_old + (1 - d) theta`,
-`d = min(0.001 step, 0.5)` (`old_policy_decay`). The velocities are the sampler's (CFG `sampler.cfg`).
+`d = min(0.001 step, 0.5)` (`old_policy_decay`). The velocities are the sampler's (CFG `sampler.cfg`) or,
+with `train_cfg > 0`, at that CFG scale. Options (`DEFAULTS`, `config.objective.nft`): timesteps (forward
+time slots per sample), train_cfg, beta (`b`), beta_kl.
 """
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
 from flowrl_jax.objectives.forward import weighted_mean
 from flowrl_jax.sampling import kernels
 
-DEFAULTS = {"nft_beta": 1.0, "beta_kl": 0.0}
+DEFAULTS = {"timesteps": 4, "train_cfg": 0.0, "beta": 1.0, "beta_kl": 0.0}
+
+
+def check(options, sampler) -> None:
+    if sampler.kind != "ode":
+        raise ValueError(f"sampler.kind={sampler.kind!r} cannot be trained on by objective 'nft' (its rollouts store only x0); "
+                         "choose one of ode")
 
 
 def optimality(adv):
@@ -46,8 +55,9 @@ def nft_terms(v, v_old, x_t, x0, t, r, b: float):
 
 
 def loss(variables, ref_variables, mb: dict, fns, options):
-    b = float(options.get("nft_beta", DEFAULTS["nft_beta"]))
-    beta_kl = float(options.get("beta_kl", DEFAULTS["beta_kl"]))
+    b, beta_kl = float(options["beta"]), float(options["beta_kl"])
+    chex.assert_equal_shape([mb["x_t"], mb["x0"]])
+    chex.assert_equal_shape([mb["t"], mb["adv"], mb["weight"]])
     v = fns.velocity(variables, mb["x_t"], mb["t"], mb)
     v_old = fns.velocity(mb["old_variables"], mb["x_t"], mb["t"], mb)
     r = optimality(mb["adv"])

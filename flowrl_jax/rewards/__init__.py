@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from flowrl_jax.rewards import shapes_eval
+from flowrl_jax.rewards import learned, shapes_eval
 
 
 def _exact(field: str) -> Callable:
@@ -23,47 +25,14 @@ def _exact(field: str) -> Callable:
     return reward
 
 
-def learned_model(name: str = "shapes32_reward"):
-    """(apply(params, images, ids, mask) -> [B], params, tokenize(prompt rows) -> (ids, mask)) of a shipped reward."""
-    from flowrl_jax import assets
-    from flowrl_jax.models.text import tokenize
-
-    model, params, tokenizer, _ = assets.load_reward(name)
-    return (lambda p, x, i, m: model.apply({"params": p}, x, i, m)), params, \
-        (lambda rows: tokenize(tokenizer, [r["prompt"] for r in rows], model.max_len))
-
-
 def _learned() -> Callable:
-    import jax
-    import jax.numpy as jnp
-
-    apply, params, tokenize = learned_model()
+    apply, params, tokenize = learned.reward_model()
     apply = jax.jit(apply)
 
     def reward(images, prompts):
         ids, mask = tokenize(prompts)
         return np.asarray(apply(params, jnp.asarray(images), jnp.asarray(ids), jnp.asarray(mask)))
     return reward
-
-
-def learned_gradient(mesh=None) -> Callable:
-    """`(images [B, H, W, C] jax, prompt rows) -> d R_learned / d images [B, H, W, C]` (jit-compiled). With a
-    `mesh`, the reward's params are replicated on it and the prompt tokens sharded like the images' batch."""
-    import jax
-
-    apply, params, tokenize = learned_model()
-    place = lambda x: x  # noqa: E731
-    if mesh is not None:
-        from flowrl_jax import parallel
-
-        params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-        place = lambda x: parallel.shard_batch(x, mesh)  # noqa: E731
-    grad = jax.jit(jax.grad(lambda x, p, i, m: apply(p, x, i, m).sum()))
-
-    def gradient(images, prompts):
-        ids, mask = place(tokenize(prompts))
-        return grad(images, params, ids, mask)
-    return gradient
 
 
 REWARDS: dict[str, Callable[[], Callable]] = {
@@ -73,12 +42,17 @@ REWARDS: dict[str, Callable[[], Callable]] = {
 }
 
 
-def build(weighted: Sequence[tuple[str, float]]) -> Callable:
-    """`((name, weight), ...)` -> `fn(images, prompts) -> (weighted sum [B] float32, {name: [B]})`."""
-    weighted = [(str(n), float(w)) for n, w in weighted]
-    unknown = [n for n, _ in weighted if n not in REWARDS]
+def check(weighted: Sequence[tuple[str, float]]) -> None:
+    """ValueError naming the unknown reward(s), without building any."""
+    unknown = [str(n) for n, _ in weighted if str(n) not in REWARDS]
     if unknown or not weighted:
         raise ValueError(f"unknown reward(s) {unknown or 'none given'}; known rewards: {sorted(REWARDS)}")
+
+
+def build(weighted: Sequence[tuple[str, float]]) -> Callable:
+    """`((name, weight), ...)` -> `fn(images, prompts) -> (weighted sum [B] float32, {name: [B]})`."""
+    check(weighted)
+    weighted = [(str(n), float(w)) for n, w in weighted]
     fns = {n: REWARDS[n]() for n, _ in weighted}
 
     def reward(images, prompts):

@@ -2,6 +2,8 @@
 
     reward = LearnedReward(vocab_size)
     r = reward.apply({"params": p}, images [B, H, W, 3] in [-1, 1], ids [B, L], mask [B, L])   # [B] in [0, 1]
+    model, params, tokenizer, manifest = load("shapes32_reward")       # a shipped reward, manifest-checked
+    apply, params, tokenize = reward_model()                           # what the RL loop differentiates
 
 A small conv net turns the image into a feature map (8 x 8 cells at 32 x 32), a one-layer text
 transformer encodes the prompt, the text tokens cross-attend to the cells, and an MLP on the
@@ -26,7 +28,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import json
+import os
+
+from transformers import PreTrainedTokenizerFast
+
+from flowrl_jax import assets, checkpoint
 from flowrl_jax.data import shapes
+from flowrl_jax.models.text import tokenize
 from flowrl_jax.rewards import shapes_eval
 
 
@@ -173,3 +182,25 @@ def make_reward_data(prompts: list[dict], n: int, rng: np.random.Generator, size
     _, score = shapes_eval.score_objects(detections.objects, [r["spec"] for r in rows])
     return {"images": images, "prompts": [r["prompt"] for r in rows], "specs": [r["spec"] for r in rows],
             "score": np.asarray(score, np.float32), "source": np.array(source), "detections": detections}
+
+
+def load(name: str = "shapes32_reward"):
+    """-> (LearnedReward, params, tokenizer, manifest) of a shipped learned reward (`assets/<name>/`)."""
+    folder = os.path.join(assets.ASSET_DIR, name)
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"no shipped reward {name!r} in {assets.ASSET_DIR}; train one with configs/train_reward.py")
+    manifest = assets.verify(folder)
+    with open(os.path.join(folder, "model.json")) as f:
+        fields = json.load(f)["reward"]
+    if fields.get("mirror_ids") is not None:
+        fields["mirror_ids"] = tuple(fields["mirror_ids"])  # JSON has lists; module fields stay hashable
+    model = LearnedReward(**fields)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(folder, "tokenizer"))
+    return model, checkpoint.load_params(os.path.join(folder, "params")), tokenizer, manifest
+
+
+def reward_model(name: str = "shapes32_reward"):
+    """(apply(params, images, ids, mask) -> [B], params, tokenize(prompt rows) -> (ids, mask)) of a shipped reward."""
+    model, params, tokenizer, _ = load(name)
+    return (lambda p, x, i, m: model.apply({"params": p}, x, i, m)), params, \
+        (lambda rows: tokenize(tokenizer, [r["prompt"] for r in rows], model.max_len))

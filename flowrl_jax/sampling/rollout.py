@@ -4,6 +4,7 @@
     ro = rollout(velocity, x_T, sigmas, noise_levels(T, a, window), rng, kind="sde", patch_size=p)
     images = ro.final                                            # [B, H, W, C]
     x0 = sample(velocity, x_T, sigmas)                           # ODE, final sample only
+    x0s = complete(velocity_of, states [B, m, ...], steps, sigmas)  # ODE from states mid-trajectory
 
 A `Rollout` holds, per sample and step (`[B, T, ...]`, batch first so that it shards on the mesh's
 data axes): the state `x_t`, the next state, the kernel's mean and std, the per-token log-prob `l[b, t, k]`
@@ -18,9 +19,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flowrl_jax.sampling import kernels
 
@@ -97,6 +100,10 @@ def rollout(velocity: Callable, x_T, sigmas, levels, rng, kind: str = "sde", pat
 
     _, outs = jax.lax.scan(step, x_T, (sigmas[:-1], sigmas[1:], levels, keys))
     states, next_states, means, stds, logp, x0_hat = (jnp.swapaxes(o, 0, 1) for o in outs)
+    b = x_T.shape[0]
+    chex.assert_shape([states, next_states, means, x0_hat], (b, num_steps) + tuple(x_T.shape[1:]))
+    chex.assert_shape(stds, (b, num_steps))
+    chex.assert_shape(logp, (b, num_steps, None))
     return Rollout(states, next_states, means, stds, logp, x0_hat, sigmas, levels)
 
 
@@ -109,3 +116,21 @@ def sample(velocity: Callable, x_T, sigmas) -> jax.Array:
 
     x, _ = jax.lax.scan(step, x_T, (sigmas[:-1], sigmas[1:]))
     return x
+
+
+def complete(velocity_of: Callable, states, steps, sigmas) -> jax.Array:
+    """`[B, m, H, W, C]`: the ODE sampler from each state `states[:, j]`, the state before step `steps[j]`
+    (static ints), to sigmas[-1]. `velocity_of(repeat)` gives the velocity for the `B m` rows, with its
+    condition repeated by `repeat(tree)` (each sample's row `m` times). All completions run in one scan
+    over the steps; a row waits, unchanged, until its own step."""
+    b, m = states.shape[:2]
+    x = states.reshape((b * m,) + states.shape[2:])
+    start = jnp.tile(jnp.asarray(steps, jnp.int32), b)
+    velocity = velocity_of(lambda tree: jax.tree_util.tree_map(lambda a: jnp.repeat(a, m, axis=0), tree))
+
+    def step(x, i):
+        mean, _, _ = kernels.transition("ode", velocity, x, sigmas[i], sigmas[i + 1], 0.0, sigmas[1])
+        return jnp.where(kernels.column(i >= start, x), mean, x), None
+
+    x, _ = jax.lax.scan(step, x, jnp.arange(int(np.min(steps)), sigmas.shape[0] - 1))
+    return x.reshape(states.shape)

@@ -1,0 +1,221 @@
+"""The jit-compiled pieces of one RL iteration on a mesh, and the typed TrainState.
+
+    steps = Steps(config, mesh, world, dit, base, credit, num_prompts)
+    ro, cond, null = steps.rollout(state.params, steps.frozen, ids, mask, rng)     # batch sharded on the mesh
+    adv, credit_state, keep = steps.credit(ro, rewards, group_ids, num_groups, state.credit, extras)
+    state, stats = steps.update(state, steps.frozen, data, rows, slots, weight)    # one optimizer step
+
+`frozen = {"dit", "text", ...}` are the world's base weights (the KL reference and the frozen text
+encoder) and, for an objective that differentiates the reward model, `"reward"` (its params), all
+sharded by the partition rules. `data = {"rollout", "adv", "cond", "null", **objective extras}`; the
+objective builds its own training pairs from it (`objectives/__init__.py`). Everything random inside
+the update derives from `config.seed` and the update counter, so a resumed run equals an uninterrupted one.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from flowrl_jax import compiler, credit as credit_lib, objectives, parallel
+from flowrl_jax.credit.context import Context
+from flowrl_jax.data import curriculum
+from flowrl_jax.policy import Policy, policy_fns
+from flowrl_jax.sampling import rollout as rollout_lib, schedule
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array          # iterations done
+    updates: jax.Array       # optimizer steps done (the update's randomness folds it in)
+    params: Any              # the trainable: the whole DiT, or LoRA adapters (train.lora_rank > 0)
+    ema: Any                 # EMA of params: what eval uses
+    opt_state: Any           # optax state
+    credit: dict             # the credit chain's state, one entry per scheme ({} when stateless)
+    old: Any = None          # the old policy, for objectives with `old_policy` (else None)
+    curriculum: Any = None   # per-prompt statistics when config.curriculum.enabled (else None)
+
+
+def sampler_levels(sampler_cfg) -> jax.Array:
+    """[T] noise level per step from `config.sampler` (its SDE window; `()` = every step)."""
+    window = tuple(sampler_cfg.sde_window) if sampler_cfg.sde_window else None
+    levels = rollout_lib.noise_levels(sampler_cfg.num_steps, sampler_cfg.noise_level, window)
+    return levels * 0.0 if sampler_cfg.kind == "ode" else levels
+
+
+def make_optimizer(t_cfg) -> optax.GradientTransformation:
+    return optax.chain(optax.clip_by_global_norm(t_cfg.grad_clip),
+                       optax.adamw(t_cfg.lr, b1=0.9, b2=0.999, weight_decay=t_cfg.weight_decay))
+
+
+def make_rollout_fn(policy: Policy, world, config) -> Callable:
+    """jit-able `(trainable, frozen, ids, mask, rng) -> (Rollout, cond, null)`."""
+    s, t = config.sampler, config.train
+    sigmas = schedule.sigmas(s.num_steps, s.shift)
+    levels = sampler_levels(s)
+
+    def rollout_fn(trainable, frozen, ids, mask, rng):
+        cond = world.encode(frozen, ids, mask)
+        null = world.null_condition(frozen, ids.shape[0])
+        velocity = rollout_lib.guided(policy.velocity_fn(policy.sampling_variables(trainable, frozen["dit"])), cond, null, s.cfg)
+        k_noise, k_steps = jax.random.split(rng)
+        x_T = rollout_lib.initial_noise(k_noise, world.latent_shape(ids.shape[0]), t.group_size, s.same_noise_per_group)
+        ro = rollout_lib.rollout(velocity, x_T, sigmas, levels, k_steps, s.kind, policy.dit.patch_size, s.logprob_form)
+        return ro, cond, null
+
+    return rollout_fn
+
+
+def make_completion_fn(policy: Policy, config) -> Callable:
+    """jit-able `(trainable, frozen, cond, null, states [B, m, H, W, C], steps) -> [B, m, H, W, C]`: the
+    ODE sampler (CFG) from each state to sigma = 0 (`sampling.rollout.complete`); `steps` is static."""
+    s = config.sampler
+    sigmas = schedule.sigmas(s.num_steps, s.shift)
+
+    def complete(trainable, frozen, cond, null, states, steps):
+        velocity_fn = policy.velocity_fn(policy.sampling_variables(trainable, frozen["dit"]))
+        return rollout_lib.complete(lambda repeat: rollout_lib.guided(velocity_fn, repeat(cond), repeat(null), s.cfg),
+                                    states, steps, sigmas)
+
+    return complete
+
+
+def make_credit_fn(credit, drops_zero_advantage: bool) -> Callable:
+    """`(ro, rewards, group_ids, num_groups, credit_state, extras) -> (A, credit_state, keep [B])`; objectives
+    with per-step ratios drop samples with no advantage on a trained step (SPEC §2), the others keep all."""
+    def credit_fn(ro, rewards, group_ids, num_groups, credit_state, extras):
+        inputs = {"rollout": ro, "rewards": rewards, "group_ids": group_ids, "num_groups": num_groups, **extras}
+        adv, credit_state = credit.apply(inputs, credit_state)
+        keep = credit_lib.kept_samples(adv, ro.trained) if drops_zero_advantage else jnp.ones(rewards.shape, bool)
+        return adv, credit_state, keep
+
+    return credit_fn
+
+
+def make_update_fn(policy: Policy, objective, options, optimizer, config, reward_apply: Callable | None = None) -> Callable:
+    """jit-able `(state, frozen, data, rows, slots, weight) -> (state, stats)`: one optimizer step of the
+    objective on its pairs `(rows[m], slots[m])` of the iteration's `data`."""
+    fns = policy_fns(policy, config.sampler, reward_apply, options.get("train_cfg", 0.0) or None)
+    ema_decay = config.train.ema_decay
+
+    def update(state: TrainState, frozen, data, rows, slots, weight):
+        key = jax.random.fold_in(jax.random.PRNGKey(config.seed + 2), state.updates)
+        mb = objective.pairs(data, rows, slots, weight, key, options)
+        if objective.uses_reward_model:
+            mb["reward_params"] = frozen["reward"]
+        if objective.old_policy is not None:
+            mb["old_variables"] = policy.variables(state.old, frozen["dit"])
+
+        def loss(trainable):
+            return objective.loss(policy.variables(trainable, frozen["dit"]), {"params": frozen["dit"]}, mb, fns, options)
+
+        (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        n = state.updates + 1
+        decay = jnp.minimum(ema_decay, (1.0 + n) / (10.0 + n))
+        ema = jax.tree_util.tree_map(lambda e, p: decay * e + (1 - decay) * p, state.ema, params)
+        stats = {"loss": value, **aux, "grad_norm": optax.tree.norm(grads), "update_norm": optax.tree.norm(updates),
+                 "param_norm": optax.tree.norm(params)}
+        return state.replace(params=params, opt_state=opt_state, ema=ema, updates=n), stats
+
+    return update
+
+
+def update_old_policy(state: TrainState, decay: Callable) -> TrainState:
+    """The old policy after an iteration: `old <- d old + (1 - d) params`, `d = decay(step)` (objectives/__init__.py)."""
+    d = decay(state.step.astype(jnp.float32))
+    return state.replace(old=jax.tree_util.tree_map(lambda o, p: d * o + (1 - d) * p, state.old, state.params))
+
+
+def reward_gradient_fn(reward_model, mesh) -> Callable:
+    """`(x [B, H, W, C], prompt rows) -> d R / d x` of the world's reward model (jit), its params replicated
+    on `mesh` and the prompt tokens sharded like the batch."""
+    apply, params, tokenize = reward_model
+    params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    grad = jax.jit(jax.grad(lambda x, p, i, m: apply(p, x, i, m).sum()))
+    return lambda x, prompts: grad(x, params, *parallel.shard_batch(tokenize(prompts), mesh))
+
+
+def minibatches(keep: np.ndarray, slots: np.ndarray, size: int, rng: np.random.Generator):
+    """Shuffled (rows, slots, weight) chunks of `size` over the kept samples x training slots; the last
+    chunk is padded with weight-0 pairs so every update has one compiled shape."""
+    rows, steps = np.meshgrid(np.flatnonzero(keep), slots, indexing="ij")
+    pairs = np.stack([rows.ravel(), steps.ravel()], 1)[rng.permutation(rows.size)]
+    for start in range(0, len(pairs), size):
+        chunk = pairs[start : start + size]
+        weight = np.ones(size, np.float32)
+        if len(chunk) < size:
+            weight[len(chunk):] = 0.0
+            chunk = np.concatenate([chunk, np.repeat(chunk[:1], size - len(chunk), 0)])
+        yield chunk[:, 0].astype(np.int32), chunk[:, 1].astype(np.int32), weight
+
+
+class Steps:
+    """The jit-compiled pieces of one iteration on `mesh` (module doc), the initial TrainState, the
+    objective's training slots and minibatch size, and the host-side tools of credit schemes."""
+
+    def __init__(self, config, mesh, world, dit, base: dict, credit, num_prompts: int = 0):
+        t_cfg = config.train
+        self.mesh, self.world = mesh, world
+        self.policy = policy = Policy(dit, t_cfg.lora_rank)
+        self.objective = objective = objectives.get(config.objective.name)
+        self.options = options = objectives.resolve_options(config, dit.patch_size)
+        optimizer = make_optimizer(t_cfg)
+        rules, min_size = config.partition_rules, config.min_fsdp_size
+        reward_apply, self._reward_tokenize = None, None
+        if objective.uses_reward_model:
+            reward_apply, reward_params, self._reward_tokenize = world.reward_model()
+            base = {**base, "reward": reward_params}
+        frozen_shardings = parallel.tree_shardings(base, mesh, rules, min_size)
+        self.frozen = jax.device_put(base, frozen_shardings)
+
+        def init_state(r) -> TrainState:
+            params = policy.init(self.frozen["dit"], r)
+            return TrainState(step=jnp.zeros((), jnp.int32), updates=jnp.zeros((), jnp.int32), params=params, ema=params,
+                              opt_state=optimizer.init(params), credit=credit.init(),
+                              old=params if objective.old_policy is not None else None,
+                              curriculum=jax.tree_util.tree_map(jnp.asarray, curriculum.init(num_prompts))
+                              if config.curriculum.enabled else None)
+
+        rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
+        self.shardings = parallel.tree_shardings(jax.eval_shape(init_state, rng), mesh, rules, min_size)
+        self.state = jax.jit(init_state, out_shardings=self.shardings)(rng)
+        data, replicated = parallel.batch_sharding(mesh), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        self.rollout = jax.jit(make_rollout_fn(policy, world, config),
+                               in_shardings=(self.shardings.params, frozen_shardings, data, data, replicated))
+        self.credit = jax.jit(make_credit_fn(credit, "step" in objective.offers(options)), static_argnums=3)
+        self.complete = jax.jit(make_completion_fn(policy, config), static_argnums=5)
+        self.update = jax.jit(make_update_fn(policy, objective, options, optimizer, config, reward_apply),
+                              out_shardings=(self.shardings, None), donate_argnums=0, compiler_options=compiler.backward_options())
+        self.update_old_policy = jax.jit(functools.partial(update_old_policy, decay=objective.old_policy),
+                                         out_shardings=self.shardings, donate_argnums=0)
+        self.slots = objective.slots(options, np.asarray(sampler_levels(config.sampler)))
+        batch = t_cfg.prompts_per_iteration * t_cfg.group_size
+        self.minibatch_size = -(-batch * len(self.slots) // t_cfg.minibatches)
+        self._reward_gradient = None
+
+    def objective_extras(self, prompts_local: list[dict]) -> dict:
+        """The objective's host-side inputs for this iteration (the reward model's tokens), batch-sharded."""
+        if self._reward_tokenize is None:
+            return {}
+        ids, mask = self._reward_tokenize(prompts_local)
+        return dict(zip(("reward_ids", "reward_mask"), parallel.shard_batch((ids, mask), self.mesh)))
+
+    def context(self, state: TrainState, ro, cond, null, prompts_local, reward_fn) -> Context:
+        """The credit schemes' host-side tools for this iteration (`credit.context`)."""
+        def complete(states, steps):
+            return self.complete(state.params, self.frozen, cond, null, states, tuple(int(t) for t in steps))
+
+        def reward_gradient(x, prompts):
+            if self._reward_gradient is None:  # built on first use: only spatial credit needs it
+                self._reward_gradient = reward_gradient_fn(self.world.reward_model(), self.mesh)
+            return self._reward_gradient(x, prompts)
+
+        return Context(ro, prompts_local, reward_fn, self.mesh, complete, reward_gradient,
+                       lambda x: self.world.decode(self.frozen, x))

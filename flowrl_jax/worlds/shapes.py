@@ -1,0 +1,102 @@
+"""The embedded shapes world (pixel space): GenEval-style prompts, the shipped base model, exact rewards.
+
+    world = ShapesWorld(config)      # config.world: base (asset name or pretrain workdir), train/test prompt files
+    world = ShapesWorld(config, loaded=(pipe, params))   # a pipeline already in memory instead of config.world.base
+
+Prompt rows are {"prompt", "category", "spec"} (`data/shapes.py`); `sample_prompts` draws the category
+uniformly first (the train set is unbalanced across categories). The DiT works on 32x32 RGB pixels
+in [-1, 1], so `decode` is the identity. Rewards are `rewards.REWARDS` by name (the exact evaluator's
+score and strictness, the learned reward); the reward model is the shipped learned reward. `evaluate`
+is the GenEval-style table (`evaluate.geneval`: ODE sampler, CFG) on the test prompts, with the sample
+grid `eval_<step>.png` and, optionally, the learned reward of the same images.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+from flowrl_jax import assets, evaluate, rewards
+from flowrl_jax.data import shapes
+from flowrl_jax.rewards import learned
+
+DEFAULTS = {"base": "shapes32", "train_prompts": "", "test_prompts": ""}  # prompt files: "" = the shipped train / test sets
+
+
+def load_prompt_set(path: str, split: str) -> list[dict]:
+    return shapes.load_prompt_file(path) if path else shapes.load_prompts(split)
+
+
+class ShapesWorld:
+    eval_name, eval_rows = "GenEval-style table", "category"  # what the train job's before/after table is called
+
+    def __init__(self, config, loaded=None):
+        w, self.eval_cfg, self.seed = config.world, config.eval, config.seed
+        self.loaded = loaded
+        self.base = w.base
+        self.train_prompts = load_prompt_set(w.train_prompts, "train")
+        test = load_prompt_set(w.test_prompts, "test")
+        if self.eval_cfg.per_category:
+            test = [p for c in shapes.CATEGORIES for p in [q for q in test if q["category"] == c][: self.eval_cfg.per_category]]
+        self.test_prompts = test
+        self.pipe, self._sampler, self._learned = None, None, None
+
+    def load(self):
+        """-> (dit, {"dit", "text"}) of the base model; a missing or corrupt one raises ValueError."""
+        if self.loaded is not None:
+            self.pipe, params = self.loaded
+            return self.pipe.dit, params
+        try:
+            self.pipe, params, _ = assets.load_pipeline(self.base, use_ema=True)
+        except (FileNotFoundError, assets.AssetError, ValueError, OSError, KeyError) as e:
+            raise ValueError(f"cannot load the base model {self.base!r} (config.world.base): {str(e).splitlines()[0]}") from None
+        return self.pipe.dit, params
+
+    def tokenize(self, prompts):
+        return self.pipe.tokenize([p["prompt"] for p in prompts])
+
+    def encode(self, frozen, ids, mask):
+        return self.pipe.encode(frozen["text"], ids, mask)
+
+    def null_condition(self, frozen, batch: int):
+        return self.pipe.null_condition(frozen["text"], batch)
+
+    def latent_shape(self, batch: int):
+        return self.pipe.image_shape(batch)
+
+    def decode(self, frozen, x):
+        return x
+
+    def sample_prompts(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        by_category = {}
+        for i, p in enumerate(self.train_prompts):
+            by_category.setdefault(p["category"], []).append(i)
+        names = sorted(by_category)
+        return np.array([by_category[c][rng.integers(len(by_category[c]))] for c in (names[i] for i in rng.integers(len(names), size=n))])
+
+    def reward_fn(self, weighted):
+        return rewards.build(weighted)
+
+    def reward_model(self):
+        return learned.reward_model()
+
+    def evaluate(self, dit_params, frozen, step: int, workdir: str) -> dict:
+        e = self.eval_cfg
+        if self._sampler is None:
+            self._sampler = evaluate.make_sampler(self.pipe, e.num_steps, e.cfg, e.shift)
+        result = evaluate.geneval(self.pipe, {"dit": dit_params, "text": frozen["text"]}, self.test_prompts,
+                                  jax.random.PRNGKey(self.seed + 1), e.samples_per_prompt, e.batch_size, sampler=self._sampler,
+                                  progress=True)
+        evaluate.category_grid(result, os.path.join(workdir, f"eval_{step:06d}.png"))
+        table = result["table"]
+        entry = {"table": table}
+        scalars = {f"eval/{k}/{m}": v[m] for k, v in table.items() for m in ("strict", "score")}
+        if e.learned_reward:  # the shipped learned reward on the same eval images (what LeapAlign optimizes)
+            if self._learned is None:
+                self._learned = rewards.build((("learned", 1.0),))
+            entry["learned_reward"] = float(self._learned(result["images"], result["rows"])[0].mean())
+            scalars["eval/learned_reward"] = entry["learned_reward"]
+        text = (f"eval at step {step} (EMA weights, {len(self.test_prompts)} test prompts x {e.samples_per_prompt}, "
+                f"ODE {e.num_steps} steps, cfg {e.cfg}):\n" + evaluate.format_table(table))
+        return {"entry": entry, "scalars": scalars, "text": text}
