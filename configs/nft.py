@@ -2,8 +2,13 @@
 
 Forward-process training with implicit positive/negative policies `v+- ` around the old policy,
 `r = clip((A / 5) / 2 + 0.5, 0, 1)`, adaptive weights; rollouts by the old policy's ODE sampler,
-which follows the policy by the EMA `d = min(0.001 step, 0.5)`. Budget:
-`config_lib.embedded_train_config()`, with an ODE sampler (independent initial noise per image).
+which follows the policy by the EMA `d = min(0.001 step, 0.5)`. NVlabs' recipe (`scripts/train_nft_sd3.py`,
+`config/nft.py`; `objectives/nft.py` DEFAULTS): CFG-free rollouts and training (`sampler.cfg = 1`, the point the
+paper makes), 9 of the sampler's 10 timesteps per sample, the loss scaled by adv_clip_max = 5, beta_kl = 1e-4.
+Eval keeps CFG 3, like every method's config, so the comparison uses one eval. The earlier setting is
+`--config.sampler.cfg=3 --config.objective.nft.times=midpoints --config.objective.nft.timesteps=4
+--config.objective.nft.beta_kl=0 --config.objective.nft.adv_clip_max=...` (that one also sets r's scale).
+Budget: `config_lib.embedded_train_config()`, with an ODE sampler (independent initial noise per image).
 """
 from flowrl_jax import config_lib
 
@@ -11,5 +16,6 @@ from flowrl_jax import config_lib
 def get_config(arg: str = ""):
     config = config_lib.embedded_train_config(ode_rollouts=True)
     config.objective.name = "nft"  # options: config.objective.nft (objectives/nft.py)
+    config.sampler.cfg = 1.0  # CFG-free rollouts and training, as NVlabs' SD3 configs
     config.lock()
     return config

@@ -193,8 +193,9 @@ class Steps:
         self.complete = jax.jit(make_completion_fn(policy, config), static_argnums=5)
         self.update = jax.jit(make_update_fn(policy, objective, options, optimizer, config, reward_apply),
                               out_shardings=(self.shardings, None), donate_argnums=0, compiler_options=compiler.backward_options())
-        self.update_old_policy = jax.jit(functools.partial(update_old_policy, decay=objective.old_policy),
-                                         out_shardings=self.shardings, donate_argnums=0)
+        if objective.old_policy is not None:
+            self.update_old_policy = jax.jit(functools.partial(update_old_policy, decay=lambda step: objective.old_policy(step, options)),
+                                             out_shardings=self.shardings, donate_argnums=0)
         self.slots = objective.slots(options, np.asarray(sampler_levels(config.sampler)))
         batch = t_cfg.prompts_per_iteration * t_cfg.group_size
         self.minibatch_size = -(-batch * len(self.slots) // t_cfg.minibatches)

@@ -267,7 +267,8 @@ def iteration(job: Job, state: TrainState, it: int) -> tuple[TrainState, dict]:
     t1 = time.time()
     scored = score(job, ro, batch, it)
     state, adv, keep = assign_credit(job, state, ro, cond, null, batch, scored, it)
-    data = {"rollout": ro, "adv": adv, "cond": cond, "null": null, **job.steps.objective_extras(batch["prompts_local"])}
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(job.config.seed), it), 1)  # the iteration's own randomness
+    data = {"rollout": ro, "adv": adv, "cond": cond, "null": null, "key": key, **job.steps.objective_extras(batch["prompts_local"])}
     t2 = time.time()
     state, stats, num_updates = update(job, state, data, keep, it)
     t3 = time.time()

@@ -111,8 +111,27 @@ def test_nft_gradient_at_the_old_policy_points_toward_positives_and_matches_the_
     np.testing.assert_allclose(grad, expected, rtol=2e-4)
 
 
-def test_nft_old_policy_decay_schedule():
-    np.testing.assert_allclose(nft.old_policy_decay(jnp.array([0.0, 100.0, 499.0, 5000.0])), [0.0, 0.1, 0.499, 0.5], rtol=1e-6)
+def test_nft_old_policy_decay_schedules_at_hand_computed_steps():
+    """NVlabs' decay_type 1 (flat 0, rate 0.001, cap 0.5) and 2 (flat 75, rate 0.0075, cap 0.999), by hand."""
+    steps = jnp.array([0.0, 74.0, 75.0, 100.0, 208.0, 300.0, 5000.0])
+    np.testing.assert_allclose(nft.old_policy_decay(steps, {"decay": "linear"}), [0.0, 0.074, 0.075, 0.1, 0.208, 0.3, 0.5], rtol=1e-6)
+    np.testing.assert_allclose(nft.old_policy_decay(steps, {"decay": "flat_then_rise"}),
+                               [0.0, 0.0, 0.0, 25 * 0.0075, 133 * 0.0075, 0.999, 0.999], rtol=1e-6)
+
+
+def test_nft_sampler_times_give_each_sample_distinct_sampler_timesteps():
+    """`times="sampler"`: per sample, its slots are distinct values of the sampler's sigma_0..sigma_{T-1}, the same
+    whichever minibatch a pair lands in (drawn from the iteration's key), and the order differs across samples."""
+    from flowrl_jax.objectives import forward
+    options = {"times": "sampler", "timesteps": 9, "num_steps": 10, "shift": 1.0}
+    sigmas = np.asarray(schedule.sigmas(10, 1.0))[:-1]
+    rows, slots = (a.ravel() for a in np.meshgrid(np.arange(6), np.arange(9), indexing="ij"))
+    t = np.asarray(forward.pair_times({"key": jax.random.PRNGKey(0)}, jnp.asarray(rows), jnp.asarray(slots), options)).reshape(6, 9)
+    for row in t:
+        assert len(set(row.tolist())) == 9 and set(row.tolist()) <= set(sigmas.tolist())  # 9 distinct sampler times
+    assert len({tuple(row) for row in t}) > 1
+    again = forward.pair_times({"key": jax.random.PRNGKey(0)}, jnp.asarray(rows[::-1].copy()), jnp.asarray(slots[::-1].copy()), options)
+    np.testing.assert_array_equal(np.asarray(again)[::-1].reshape(6, 9), t)  # a pair's time does not depend on its minibatch
 
 
 # ----------------------------------------------------------------------------------------------- LeapAlign
@@ -154,13 +173,15 @@ def test_leap_connectors_give_the_real_trajectory_and_the_loss_value_is_the_real
           "weight": jnp.ones(4)}
     fns = PolicyFns(None, lambda p, x, s, mb: _mlp(p, x, s), _reward)
     value, aux = leap.loss(params, None, mb, fns, {"gamma": 0.5, "tau": 0.01})
-    w, _ = leap.leap_weights(x_j_hat, states[rows, i_j], jnp.ones(4), 0.01)
-    np.testing.assert_allclose(float(value), float(-jnp.sum(w * _reward(x0))), rtol=1e-5)
+    e = np.mean((np.asarray(x_j_hat, np.float64) - np.asarray(states[rows, i_j], np.float64)) ** 2, axis=(1, 2, 3))
+    w = np.exp(-(e - e.min()) / 0.01) / np.exp(-(e - e.min()) / 0.01).sum()  # softmax by hand, float64
+    np.testing.assert_allclose(float(value), float(-np.sum(w * np.asarray(_reward(x0), np.float64))), rtol=1e-5)
 
 
 def test_leap_gradient_equals_a_finite_difference_of_the_surrogate():
     """SPEC §6 testing note: d L / d theta = -d S / d theta at theta_0, with
-    S(theta) = sg(grad R(x_0)) . [u - sigma_j v_theta(u)], u = x_j + gamma (x^_j(theta) - x^_j(theta_0))."""
+    S(theta) = sg(grad R(x_0)) . [x~(theta) - sigma_j v_theta(u(theta))], x~(theta) = x_j + (x^_j(theta) - x^_j(theta_0)),
+    u(theta) = x_j + gamma (x^_j(theta) - x^_j(theta_0)): the identity path at full weight, gamma on the velocity's input."""
     with jax.enable_x64(True):
         params = _mlp_params(jax.random.PRNGKey(3), 2 * 2 * 3, dtype=jnp.float64)
         sigmas = schedule.sigmas(8, 3.0).astype(jnp.float64)
@@ -175,8 +196,9 @@ def test_leap_gradient_equals_a_finite_difference_of_the_surrogate():
         x_j_hat = lambda p: x_k - (s_k - s_j)[:, None, None, None] * _mlp(p, x_k, s_k)  # noqa: E731
 
         def surrogate(p):
+            x_tilde = x_j + (x_j_hat(p) - x_j_hat(params))
             u = x_j + gamma * (x_j_hat(p) - x_j_hat(params))
-            return jnp.sum(g_r * (u - s_j[:, None, None, None] * _mlp(p, u, s_j)))
+            return jnp.sum(g_r * (x_tilde - s_j[:, None, None, None] * _mlp(p, u, s_j)))
 
         direction = jax.tree_util.tree_map(lambda a: jax.random.normal(jax.random.PRNGKey(5), a.shape, a.dtype), params)
         h = 1e-5
@@ -185,6 +207,31 @@ def test_leap_gradient_equals_a_finite_difference_of_the_surrogate():
         analytic = sum(jnp.sum(g * d) for g, d in zip(jax.tree_util.tree_leaves(grad), jax.tree_util.tree_leaves(direction)))
         assert abs(float(fd)) > 1e-4
         np.testing.assert_allclose(float(analytic), -float(fd), rtol=1e-6)
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 1.0])
+def test_leap_placement_keeps_the_identity_path_whatever_gamma(gamma):
+    """SPEC §6 placement check: with a velocity that does not depend on x, x^_0 = x~_j - sigma_j c, so
+    d x~_0 / d x_k = I (through x^_j = x_k - (sigma_k - sigma_j) c) whatever gamma is; placing gamma on the
+    identity path too (the old code) gives gamma I."""
+    c = jax.random.normal(jax.random.PRNGKey(0), (2, 2, 2, 3))
+    velocity = lambda x, sigma: c  # noqa: E731
+    x_k, x_j, x0 = (jax.random.normal(jax.random.PRNGKey(i), (2, 2, 2, 3)) for i in (1, 2, 3))
+    sigma_k, sigma_j = jnp.array([0.9, 0.8]), jnp.array([0.4, 0.3])
+    probe = jax.random.normal(jax.random.PRNGKey(4), x0.shape)
+    grad = jax.grad(lambda xk: jnp.sum(probe * leap.two_leaps(velocity, xk, x_j, x0, sigma_k, sigma_j, gamma)[0]))(x_k)
+    np.testing.assert_allclose(grad, probe, rtol=1e-6)  # the identity Jacobian, exactly (no float op touches it)
+
+
+def test_leap_weights_are_the_softmax_of_the_leap_errors_over_real_pairs():
+    rng = np.random.default_rng(5)
+    x_j_hat, x_j = (rng.normal(size=(4, 2, 2, 3)).astype(np.float32) for _ in range(2))
+    weight = np.array([1, 1, 1, 0], np.float32)
+    w, err = leap.leap_weights(jnp.asarray(x_j_hat), jnp.asarray(x_j), jnp.asarray(weight), 0.5)
+    e = np.mean((x_j_hat.astype(np.float64) - x_j) ** 2, axis=(1, 2, 3))  # by hand, float64
+    expected = np.exp(-e[:3] / 0.5) / np.exp(-e[:3] / 0.5).sum()
+    np.testing.assert_allclose(err, e, rtol=1e-5)
+    np.testing.assert_allclose(w, np.append(expected, 0.0), rtol=1e-5, atol=1e-7)  # padding gets no weight
 
 
 def _temp_bytes(fn, *args) -> int:

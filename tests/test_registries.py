@@ -29,7 +29,7 @@ def test_every_config_file_builds_and_passes_validate(path):
 
 
 # ----------------------------------------------------------------------------------------------- objectives
-B, G, T = 8, 4, 4
+B, G, T = 8, 4, 10
 BASE = gaussian_velocity(0.3, 0.6)
 
 
@@ -59,7 +59,7 @@ def _iteration(name, kind):
     credit = credit_lib.build(("uniform",))
     adv, _ = credit.apply({"rollout": ro, "rewards": rewards, "group_ids": jnp.repeat(jnp.arange(B // G), G), "num_groups": B // G},
                           credit.init())
-    data = {"rollout": ro, "adv": adv, "cond": jnp.zeros((B, 1)), "null": jnp.zeros((B, 1)),
+    data = {"rollout": ro, "adv": adv, "cond": jnp.zeros((B, 1)), "null": jnp.zeros((B, 1)), "key": jax.random.PRNGKey(4),
             "reward_ids": jnp.zeros((B, 2), jnp.int32), "reward_mask": jnp.ones((B, 2), bool)}
     slots = objective.slots(options, np.asarray(levels))
     rows, slot, weight = next(minibatches(np.ones(B, bool), slots, B * len(slots), np.random.default_rng(0)))

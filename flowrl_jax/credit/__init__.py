@@ -42,6 +42,7 @@ class Scheme(NamedTuple):
     defaults: dict = {}                    # options and their defaults
     needs: frozenset = frozenset()         # ratio granularities the objective must offer: "step", "token"
     debug_images: Callable | None = None   # host side: (ctx, extras, options) -> {stem: metrics.save_grid kwargs}
+    check: Callable | None = None          # options -> None; ValueError naming a bad option
 
 
 SCHEMES: dict[str, Scheme] = {
@@ -49,7 +50,7 @@ SCHEMES: dict[str, Scheme] = {
     "stepwise": Scheme(stepwise.apply, prepare=stepwise.prepare, needs=frozenset({"step"})),
     "turning_point": Scheme(turning_point.apply, prepare=turning_point.prepare, needs=frozenset({"step"})),
     "spatial": Scheme(spatial.apply, prepare=spatial.prepare, defaults=spatial.DEFAULTS, needs=frozenset({"step", "token"}),
-                      debug_images=spatial.debug_images),
+                      debug_images=spatial.debug_images, check=spatial.check),
     "adaptive": Scheme(adaptive.apply, init=adaptive.init, defaults=adaptive.DEFAULTS),
 }
 
@@ -75,6 +76,9 @@ def build(names, options=None, global_std: bool = True, clip: float = 5.0) -> Cr
     if unknown or not names:
         raise ValueError(f"unknown credit scheme(s) {unknown or names}; known: {sorted(SCHEMES)}")
     opts = {n: resolve(SCHEMES[n].defaults, (options or {}).get(n), owner=f"credit.{n}") for n in names}
+    for n in names:
+        if SCHEMES[n].check is not None:
+            SCHEMES[n].check(opts[n])
 
     def init() -> dict:
         return {n: SCHEMES[n].init(opts[n]) for n in names}

@@ -7,9 +7,12 @@ For each sample, with the trajectory's `m` SDE (trained) steps:
     turning point: k = 0: sign(d_0) sign(R_n - R_1) > 0;
                    k >= 1: s_{k-1} < 0, s_k > 0 and sign(d_k) sign(R_n - R_{k+1}) > 0
     R~_k = R_n - R_k at a turning point, else d_k
-Balanced bonus: over the batch, keep `min(#pos, #neg)` turning points of each sign of `D_g`, those with
-the largest `|D_g|` (ties: lower index first); the rest fall back to `d_k`. Turning points with
-`D_g = 0` have no sign and fall back too (our reading: SPEC balances the two signs only).
+Balanced bonus, as TP-GRPO's public code (`use_balanced_bonus`): when turning points of both signs of
+`D_g` are present in the batch, keep `min(#pos, #neg)` of each sign, those with the largest `|D_g|` (ties:
+lower index first), and the rest fall back to `d_k`; when only one sign is present, all are kept. The
+public code balances within each GPU's sampling batch; here the batch is the iteration's whole (global)
+batch, all processes' samples. Turning points with `D_g = 0` have no sign and fall back to `d_k` (in the
+public code they are dropped by balancing or get a bonus `R_n - R_0 = 0`, which falls back to `d_0`).
 Advantage: `R~_k` normalized per step within each prompt group (group std), clipped -> `A [B, T, 1]`,
 0 on untrained steps. The completions are one batched ODE scan (`sampling.rollout.complete`).
 """
@@ -52,7 +55,8 @@ def balanced(turning, d_g):
     kept = jnp.zeros(mag.shape, bool)
     pos = (turning & (d_g > 0)[:, None]).ravel()
     neg = (turning & (d_g < 0)[:, None]).ravel()
-    n_keep = jnp.minimum(pos.sum(), neg.sum())
+    n_pos, n_neg = pos.sum(), neg.sum()
+    n_keep = jnp.where((n_pos > 0) & (n_neg > 0), jnp.minimum(n_pos, n_neg), mag.size)  # one sign only: keep all
     for cls in (pos, neg):
         order = jnp.argsort(jnp.where(cls, -mag, jnp.inf), stable=True)  # largest |D_g| first
         rank = jnp.zeros(mag.shape, jnp.int32).at[order].set(jnp.arange(mag.size, dtype=jnp.int32))

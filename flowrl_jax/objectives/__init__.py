@@ -16,8 +16,8 @@ randomness (forward-process noise, LeapAlign's steps), drawn from the seed and t
 - `advantage_flow`, `nft` (SPEC §6): (sample, time slot) pairs of the final samples noised afresh.
 - `leapalign` (SPEC §6): one pair per sample of an ODE rollout, through the differentiable reward.
 `old_policy`: when set, the TrainState keeps `theta_old`, which draws the rollouts and follows the
-policy after each iteration by `old <- d old + (1 - d) theta`, `d = old_policy(step)`: DiffusionNFT's
-EMA schedule, or `d = 0` for AdvantageFlow (its anchor is the rollout policy's velocity).
+policy after each iteration by `old <- d old + (1 - d) theta`, `d = old_policy(step, options)`: DiffusionNFT's
+EMA schedules, or `d = 0` for AdvantageFlow (its anchor is the rollout policy's velocity).
 Objectives that offer per-step ratios drop samples with no advantage on a trained step (SPEC §2); the
 others keep all (an advantage-free sample still carries their regularizing term).
 A new objective: its module (loss, pairs, slots, DEFAULTS, check) and one entry here.
@@ -43,7 +43,7 @@ class Objective(NamedTuple):
     defaults: dict                     # the options and their defaults (config.objective.<name>)
     check: Callable = _any_kind        # (options, sampler) -> None; ValueError naming the option
     offers: Callable = forward.offers  # options -> frozenset of ratio granularities ("step", "token")
-    old_policy: Callable | None = None  # step -> decay d
+    old_policy: Callable | None = None  # (step, options) -> decay d
     uses_reward_model: bool = False    # the loss differentiates the world's reward model
 
 

@@ -26,18 +26,20 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from flowrl_jax.objectives import forward
 from flowrl_jax.objectives.forward import weighted_mean
 
-DEFAULTS = {"timesteps": 4, "train_cfg": 0.0, "beta0": 1.0, "regularizer": "rollout_velocity"}
+DEFAULTS = {"timesteps": 4, "times": "midpoints", "train_cfg": 0.0, "beta0": 1.0, "regularizer": "rollout_velocity"}
 REGULARIZERS = ("samples", "rollout_velocity")
 
 
 def check(options, sampler) -> None:
+    forward.check_times(options, sampler, "advantage_flow")
     if options.regularizer not in REGULARIZERS:
         raise ValueError(f"unknown objective.advantage_flow.regularizer {options.regularizer!r}; choose one of {', '.join(REGULARIZERS)}")
 
 
-def rollout_policy_decay(step):
+def rollout_policy_decay(step, options=None):
     """The old policy is the rollout policy itself: `old <- params` after every iteration (d = 0)."""
     return jnp.zeros_like(step)
 

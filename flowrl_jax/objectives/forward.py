@@ -1,13 +1,17 @@
 """Forward-process minibatches (SPEC.md §0, §6): the rollout's final samples `x0`, noised afresh.
 
-    mb = forward_pairs(ro, adv, cond, null, rows, slots, weight, key, times)
+    mb = forward_pairs(ro, adv, cond, null, rows, slots, weight, key, t)    # t [M]: each pair's time
     mb = pairs(data, rows, slots, weight, key, options)    # the objectives' shared signature
 
-A pair is (sample `rows[m]`, time slot `slots[m]`): `t = times[slot]`, `eps ~ N(0, I)` drawn from
-`key`, `x_t = (1 - t) x0 + t eps`, flow-matching target `eps - x0`. `times` are `objective.timesteps`
-fixed times spread over (0, 1) (`training_times`), so every sample is trained at the same spread of
-noise levels, high to low. The per-sample advantage is the mean of the credit chain's
-`A[b, t, k]` over steps and tokens (forward-process objectives have no per-step ratio).
+A pair is (sample `rows[m]`, time slot `slots[m]`) at time `t[m]`, `eps ~ N(0, I)` drawn from `key` (fresh
+for every update), `x_t = (1 - t) x0 + t eps`, flow-matching target `eps - x0`. The option `times` picks
+the slot's time:
+- "midpoints": `timesteps` fixed times spread over (0, 1) (`training_times`), the same for every sample;
+- "sampler": the sampler's own times `sigma_0 .. sigma_{T-1}` in a random order per sample (drawn once per
+  iteration from `data["key"]`), its first `timesteps` used: DiffusionNFT's public code, which trains each
+  sample at 9 of its 10 sampler timesteps (`timestep_fraction = 0.99`).
+The per-sample advantage is the mean of the credit chain's `A[b, t, k]` over steps and tokens
+(forward-process objectives have no per-step ratio).
 """
 from __future__ import annotations
 
@@ -24,10 +28,30 @@ def slots(options, levels) -> np.ndarray:
     return np.arange(options.timesteps)
 
 
+TIMES = ("midpoints", "sampler")
+
+
+def check_times(options, sampler, owner: str) -> None:
+    if options["times"] not in TIMES:
+        raise ValueError(f"objective.{owner}.times={options['times']!r}: choose one of {', '.join(TIMES)}")
+    if options["times"] == "sampler" and not 1 <= options["timesteps"] <= sampler.num_steps:
+        raise ValueError(f"objective.{owner}.timesteps={options['timesteps']} of the sampler's {sampler.num_steps} times: "
+                         f"choose 1 .. {sampler.num_steps} (sampler.num_steps)")
+
+
+def pair_times(data: dict, rows, slots, options) -> jax.Array:
+    """[M] the time of each pair under `options.times` (module doc)."""
+    if options["times"] == "midpoints":
+        return training_times(options["timesteps"], options["shift"])[slots]
+    sigmas = schedule.sigmas(options["num_steps"], options["shift"])[:-1]
+    order = jax.vmap(lambda r: jax.random.permutation(jax.random.fold_in(data["key"], r), sigmas.shape[0]))(rows)
+    return sigmas[jnp.take_along_axis(order, slots[:, None], axis=1)[:, 0]]
+
+
 def pairs(data: dict, rows, slots, weight, key, options) -> dict:
-    """`forward_pairs` at `training_times(options.timesteps, options.shift)` on {"rollout", "adv", "cond", "null"}."""
-    times = training_times(options.timesteps, options.shift)
-    return forward_pairs(data["rollout"], data["adv"], data["cond"], data["null"], rows, slots, weight, key, times)
+    """`forward_pairs` on {"rollout", "adv", "cond", "null", "key"} at the times of `options.times`."""
+    t = pair_times(data, rows, slots, options)
+    return forward_pairs(data["rollout"], data["adv"], data["cond"], data["null"], rows, slots, weight, key, t)
 
 
 def offers(options) -> frozenset:
@@ -41,12 +65,11 @@ def training_times(num_slots: int, shift: float) -> jnp.ndarray:
     return schedule.shift_sigma((jnp.arange(num_slots, dtype=jnp.float32) + 0.5) / num_slots, shift)
 
 
-def forward_pairs(ro, adv, cond, null_cond, rows, slots, weight, key, times) -> dict:
+def forward_pairs(ro, adv, cond, null_cond, rows, slots, weight, key, t) -> dict:
     """The minibatch of M forward-process pairs (module doc): x0, eps, x_t [M, H, W, C], t [M], adv [M],
     `adv_floor` = max(-A) over the whole batch, the condition, weight [M] (0 on padding), slot [M]."""
-    chex.assert_rank([rows, slots, weight], 1)
+    chex.assert_rank([rows, slots, weight, t], 1)
     x0 = ro.final[rows]
-    t = times[slots]
     eps = jax.random.normal(key, x0.shape, x0.dtype)
     x_t = kernels.column(1.0 - t, x0) * x0 + kernels.column(t, x0) * eps
     per_sample = adv.mean(axis=(1, 2))

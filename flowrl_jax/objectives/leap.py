@@ -6,9 +6,10 @@
 
 The rollout is the ODE sampler (`sampler.kind="ode"`), run without gradient. Per sample, steps
 `i_k < i_j` are drawn at random (`sigma_k > sigma_j > 0`). Leap 1: `x^_j = x_k - (sigma_k - sigma_j)
-v_theta(x_k)`, connector `x~_j = x^_j + sg(x_j - x^_j)`; leap 2 from `u = gamma x~_j + (1 - gamma)
-sg(x~_j)` (the value of `x~_j`, its gradient scaled by `gamma`): `x^_0 = u - sigma_j v_theta(u)`,
-connector `x~_0 = x^_0 + sg(x_0 - x^_0)`. The loss `-sum_b w_b R(x~_0[b])` has the real sample's reward
+v_theta(x_k)`, connector `x~_j = x^_j + sg(x_j - x^_j)`; leap 2 `x^_0 = x~_j - sigma_j v_theta(u)`, where
+only the model's input is `u = gamma x~_j + (1 - gamma) sg(x~_j)` (the value of `x~_j`, its gradient
+scaled by `gamma`): the identity path keeps its full gradient and the nested term through the velocity's
+input (the one DRTune removes) is scaled, not removed; connector `x~_0 = x^_0 + sg(x_0 - x^_0)`. The loss `-sum_b w_b R(x~_0[b])` has the real sample's reward
 as its value and the two leaps' Jacobians as its gradient; `R` is the shipped learned reward
 (differentiable in the pixels). `w = softmax_b(-mean_e(x^_j - x_j)^2 / tau)` over the minibatch: leaps
 that land closer to the real path count more (our reading: the per-element mean, so that `tau` does
@@ -64,8 +65,8 @@ def two_leaps(velocity, x_k, x_j, x0, sigma_k, sigma_j, gamma: float):
     sg = jax.lax.stop_gradient
     x_j_hat = x_k - kernels.column(sigma_k - sigma_j, x_k) * velocity(x_k, sigma_k)
     x_j_tilde = x_j_hat + sg(x_j - x_j_hat)
-    u = gamma * x_j_tilde + (1.0 - gamma) * sg(x_j_tilde)
-    x0_hat = u - kernels.column(sigma_j, u) * velocity(u, sigma_j)
+    u = gamma * x_j_tilde + (1.0 - gamma) * sg(x_j_tilde)  # the model's input only
+    x0_hat = x_j_tilde - kernels.column(sigma_j, u) * velocity(u, sigma_j)
     return x0_hat + sg(x0 - x0_hat), x_j_hat
 
 
