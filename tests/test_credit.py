@@ -256,20 +256,34 @@ def test_log_ratio_mean_and_variance_follow_the_path_variance():
     np.testing.assert_allclose(float(log_ratio.var()), v / np.prod(shape), rtol=0.1)
 
 
+def _np_kernel(kind, sigma, sigma_next, a=0.7, sigma_1=None):
+    """(c_x, c_v, std) of SPEC §1's affine kernels, written out in float64 NumPy from SPEC's own form of the mean
+    (sde: x (1 + g^2 dt / 2 sigma) + v (1 + g^2 (1 - sigma) / 2 sigma) dt; cps: x0_hat (1 - s') + eps_hat sqrt(s'^2 - std^2)
+    with x0_hat = x - sigma v, eps_hat = x + (1 - sigma) v, collected by hand into c_x x + c_v v)."""
+    sigma, sigma_next, dt = float(sigma), float(sigma_next), float(sigma_next) - float(sigma)
+    if kind == "sde":
+        g2 = a**2 * sigma / (1 - (sigma_1 if sigma >= 1 else sigma))
+        return 1 + g2 * dt / (2 * sigma), (1 + g2 * (1 - sigma) / (2 * sigma)) * dt, np.sqrt(g2 * -dt)
+    std = sigma_next * np.sin(a * np.pi / 2)
+    root = np.sqrt(sigma_next**2 - std**2)
+    return (1 - sigma_next) + root, -sigma * (1 - sigma_next) + (1 - sigma) * root, std
+
+
 @pytest.mark.parametrize("kind", ["sde", "cps"])
-def test_step_cost_uses_the_jacobian_of_the_kernel_mean_in_v(kind):
-    sigmas = schedule.sigmas(10, 3.0)
-    x = jnp.full((1, 1, 1, 1), 0.4)
+def test_kernel_means_and_step_costs_against_spec_closed_forms(kind):
+    """The kernel's mean and std at random (x, v), and kappa = c_v^2 / std^2, against the float64 closed forms."""
+    sigmas = np.asarray(schedule.sigmas(10, 3.0), np.float64)
+    x, v = (jax.random.normal(jax.random.PRNGKey(i), (1, 2, 2, 3)) for i in (0, 1))
     for i in (0, 4, 8):
-        def mean_of(v):
-            return kernels.transition(kind, lambda y, s: v, x, sigmas[i], sigmas[i + 1], 0.7, sigmas[1])[0]
+        c_x, c_v, std = _np_kernel(kind, sigmas[i], sigmas[i + 1], sigma_1=sigmas[1])
+        mean, got_std, _ = kernels.transition(kind, lambda y, s: v, x, sigmas[i], sigmas[i + 1], 0.7, sigmas[1])
+        # float32 arithmetic on O(1) values against float64: a few ulp (1e-6 relative; 1e-6 absolute for the c_x x + c_v v sum)
+        np.testing.assert_allclose(mean, c_x * np.asarray(x, np.float64) + c_v * np.asarray(v, np.float64), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(float(got_std[0]), std, rtol=1e-5)
+        np.testing.assert_allclose(float(grpo.step_cost(kind, sigmas[i], sigmas[i + 1], 0.7, sigmas[1])), c_v**2 / std**2, rtol=1e-4)
 
-        c = jax.jacfwd(mean_of)(jnp.full((1, 1, 1, 1), 0.2)).reshape(())
-        std = kernels.transition(kind, lambda y, s: x, x, sigmas[i], sigmas[i + 1], 0.7, sigmas[1])[1][0]
-        np.testing.assert_allclose(grpo.step_cost(kind, sigmas[i], sigmas[i + 1], 0.7, sigmas[1]), c**2 / std**2, rtol=1e-4)
 
-
-def _lambda_setup(b=6):
+def _lambda_setup(b=6, theta=1.0):
     base = gaussian_velocity(0.3, 0.6)
     velocity_of = lambda theta: (lambda x, s: theta * base(x, s))  # noqa: E731
     sigmas, levels = schedule.sigmas(6, 1.0), rollout.noise_levels(6, 0.7, (0, 5))
@@ -284,32 +298,70 @@ def _lambda_setup(b=6):
     mb = grpo.gather_pairs(ro, adv, jnp.zeros((b, 1)), jnp.zeros((b, 1)), rows, steps, np.ones(len(rows), np.float32))
     options = ConfigDict(dict(clip_range=0.05, beta=0.0, ratio="sample", kl_form="exact", lambda_control=False, patch_size=2,
                               logprob_form="gaussian", num_steps=6, kernel="sde"))
-    return mb, PolicyFns(mean_fn, None, None), options
+    return mb, PolicyFns(mean_fn, None, None), options, base
 
 
 def _lambda(options):
     return ConfigDict({**options.to_dict(), "lambda_control": True})
 
 
-def test_path_variance_prediction_matches_measurement_and_lambda_control_is_on_policy_neutral():
-    mb, mean_fn, options = _lambda_setup()
-    _, aux = grpo.clipped_loss(1.02, 1.0, mb, mean_fn, options)
-    measured, predicted = np.asarray(aux["path_variance_per_step"])[:5], np.asarray(aux["path_variance_pred_per_step"])[:5]
-    assert np.all(measured > 0)
-    np.testing.assert_allclose(predicted, measured, rtol=2e-3)
-    loss_l, aux_l = grpo.clipped_loss(1.0, 1.0, mb, mean_fn, _lambda(options))  # on policy: V = 0, calibrated ratio 1
-    np.testing.assert_allclose(aux_l["ratio_mean_per_step"][:5], 1.0, atol=2e-5)
-    w = grpo.effort_weights("sde", mb)
-    np.testing.assert_allclose(float(w.mean()), 1.0, rtol=1e-5)  # every trained step equally represented
-    np.testing.assert_allclose(loss_l, -np.mean(np.asarray(mb["adv"])[:, 0] * np.asarray(w)), rtol=1e-4)
+def _np_path_variance(mb, base, theta):
+    """[M] V of each pair by SPEC §4's closed form: dmu = c_v dv with dv = (theta - 1) v_base(x), V = c_v^2 mean(dv^2) / std^2
+    (c_v and std from `_np_kernel`, float64), and the trained steps' effort weights w_t = (1/kappa_t) / mean_u (1/kappa_u)."""
+    sig = np.asarray(mb["all_sigmas"], np.float64)
+    coeffs = [_np_kernel("sde", sig[t], sig[t + 1], sigma_1=sig[1]) for t in range(5)]
+    kappa = np.array([c_v**2 / std**2 for _, c_v, std in coeffs])
+    v = np.asarray(base(mb["x"], mb["sigma"]), np.float64)
+    steps = np.asarray(mb["step"])
+    v_pair = kappa[steps] * (theta - 1) ** 2 * np.mean(v**2, axis=(1, 2, 3))
+    effort = (1 / kappa[steps]) / np.mean(1 / kappa)
+    return v_pair, effort
+
+
+def test_path_variance_measured_and_predicted_equal_the_closed_form_and_effort_weights_by_hand():
+    mb, fns, options, base = _lambda_setup()
+    theta = 1.02
+    _, aux = grpo.clipped_loss(theta, 1.0, mb, fns, options)
+    v_pair, effort = _np_path_variance(mb, base, theta)
+    per_step = np.array([v_pair[np.asarray(mb["step"]) == t].mean() for t in range(5)])
+    # measured V comes from the kernel means (their difference ~2% of the mean: float32 cancellation, ~1e-5 relative / 0.02),
+    # predicted V from v - v_old with the Tweedie x0_hat: both against the float64 closed form
+    np.testing.assert_allclose(np.asarray(aux["path_variance_per_step"])[:5], per_step, rtol=2e-3)
+    np.testing.assert_allclose(np.asarray(aux["path_variance_pred_per_step"])[:5], per_step, rtol=2e-3)
+    np.testing.assert_allclose(grpo.effort_weights("sde", mb), effort, rtol=1e-4)
+
+
+def test_calibrated_ratio_has_zero_mean_log_off_policy_monte_carlo():
+    """SPEC §4 off policy: with x' ~ N(mu_old, std^2) and the mean-reduced log-ratio over D elements,
+    E[log rho] = -V/2, so the calibrated rho~ = rho exp(V/2) has E[log rho~] = 0. Monte Carlo over 2,000 samples
+    x 5 steps of a perturbed policy (theta = 1.5): the objective's per-step ratio mean against the closed
+    forms E[rho~] = exp(V / 2D) (calibrated) and exp(-V/2 + V / 2D) (plain), within 4 standard errors."""
+    b, d = 2000, 4 * 4 * 2
+    mb, fns, options, base = _lambda_setup(b=b)
+    theta = 1.5
+    v_pair, _ = _np_path_variance(mb, base, theta)
+    steps = np.asarray(mb["step"])
+    for opts, shift in ((_lambda(options), 0.0), (options, -0.5)):
+        _, aux = grpo.clipped_loss(theta, 1.0, mb, fns, opts)
+        for t in range(5):
+            v = v_pair[steps == t]
+            expected = np.mean(np.exp(shift * v + v / (2 * d)))  # E[exp(log rho~)] per pair, averaged
+            stderr = np.sqrt(np.mean(v / d)) / np.sqrt(b)  # std of log rho~ is sqrt(V / D); rho ~ 1, so of rho too
+            assert abs(float(aux["ratio_mean_per_step"][t]) - expected) < 4 * stderr, (t, shift, float(aux["ratio_mean_per_step"][t]), expected)
+    assert np.mean(v_pair) / 2 > 10 * np.sqrt(np.mean(v_pair / d) / b)  # the calibration's effect is far above the Monte Carlo error
 
 
 def test_lambda_budget_drops_the_gradient_of_steps_over_budget():
-    mb, mean_fn, options = _lambda_setup()
-    grad = lambda theta, opts: jax.grad(lambda th: grpo.clipped_loss(th, 1.0, mb, mean_fn, _lambda(opts))[0])(theta)  # noqa: E731
-    _, aux = grpo.clipped_loss(2.5, 1.0, mb, mean_fn, _lambda(options))  # every step's V_t over eps^2 D = 0.08
-    assert float(aux["over_budget_fraction"]) == 1.0 and float(grad(2.5, options)) == 0.0
-    _, aux = grpo.clipped_loss(1.8, 1.0, mb, mean_fn, _lambda(options))  # only the first step within budget (V_0 ~ 0.05)
-    v = np.asarray(aux["path_variance_per_step"])[:5]
-    assert v[0] < 0.08 < v[1:].min() and float(aux["over_budget_fraction"]) == pytest.approx(0.8)
-    assert abs(float(grad(1.8, options))) > 0
+    """Budget lambda D = eps^2 D = 0.05^2 x 32 = 0.08; which steps exceed it comes from the closed-form V_t."""
+    mb, fns, options, base = _lambda_setup()
+    grad = lambda theta, opts: jax.grad(lambda th: grpo.clipped_loss(th, 1.0, mb, fns, _lambda(opts))[0])(theta)  # noqa: E731
+    steps = np.asarray(mb["step"])
+    for theta in (2.5, 1.8):
+        v_pair, _ = _np_path_variance(mb, base, theta)
+        over = np.array([v_pair[steps == t].mean() > 0.08 for t in range(5)])
+        _, aux = grpo.clipped_loss(theta, 1.0, mb, fns, _lambda(options))
+        assert float(aux["over_budget_fraction"]) == pytest.approx(over[steps].mean())
+        if over.all():
+            assert float(grad(theta, options)) == 0.0  # no step within budget: no gradient that round
+        else:
+            assert 0 < over.mean() < 1 and abs(float(grad(theta, options))) > 0  # theta = 1.8: some steps in, some out
