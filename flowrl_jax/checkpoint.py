@@ -38,6 +38,14 @@ def _abstract(tree: Any) -> Any:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)) if hasattr(x, "shape") else x, tree)
 
 
+def _local(item_metadata) -> Any:
+    """A restore template from a saved tree's metadata: every array on this process's first device. Orbax
+    refuses a template-less restore on another topology (a CPU-saved asset on a GPU: "Topology mismatch")."""
+    tree = item_metadata.tree if hasattr(item_metadata, "tree") else item_metadata
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree)
+
+
 def _one_line(e: BaseException) -> str:
     """The first line of an error, without tensorstore's spec dump, at most 300 characters."""
     text = (str(e).strip().splitlines() or [type(e).__name__])[0].split(" [tensorstore_spec")[0]
@@ -103,7 +111,8 @@ class Checkpointer:
         return self._restore(step, template)
 
     def _restore(self, step: int, template: Any) -> tuple[Any, dict]:
-        state = ocp.args.StandardRestore(None if template is None else _abstract(template))
+        target = _local(self.manager.item_metadata(step)["state"]) if template is None else _abstract(template)
+        state = ocp.args.StandardRestore(target)
         out = self.manager.restore(step, args=ocp.args.Composite(state=state, meta=ocp.args.JsonRestore()))
         return out["state"], dict(out["meta"])
 
@@ -150,6 +159,8 @@ def save_params(directory: str, params: Any) -> None:
 
 
 def load_params(directory: str, template: Any | None = None) -> Any:
-    """Load what `save_params` wrote; with a template the result has its structure and shardings."""
+    """Load what `save_params` wrote; with a template the result has its structure and shardings, without
+    one every array is on this process's first device (whatever topology saved it)."""
+    path = os.path.abspath(directory)
     with ocp.StandardCheckpointer() as ckptr:
-        return ckptr.restore(os.path.abspath(directory), _abstract(template) if template is not None else None)
+        return ckptr.restore(path, _abstract(template) if template is not None else _local(ckptr.metadata(path).item_metadata))

@@ -12,7 +12,7 @@ import pytest
 from flowrl_jax import assets, evaluate, main
 from flowrl_jax.data import shapes
 from flowrl_jax.models.text import tokenize
-from flowrl_jax.rewards import shapes_eval
+from flowrl_jax.rewards import learned, shapes_eval
 from flowrl_jax.train_reward import pearson
 from tests.conftest import load_config
 
@@ -110,7 +110,7 @@ BARS = {"test_prompts": 0.83, "train_prompts": 0.8}
 
 @_shipped("shapes32_reward")
 def test_learned_reward_tracks_the_exact_score_on_held_out_base_samples(shipped_dir):
-    reward, params, tokenizer, manifest = assets.load_reward("shapes32_reward")
+    reward, params, tokenizer, manifest = learned.load("shapes32_reward")
     held = np.load(os.path.join(shipped_dir, "shapes32_reward", "heldout.npz"))
     images = held["images"].astype(np.float32) / 127.5 - 1.0
     prompts = [str(p) for p in held["prompts"]]

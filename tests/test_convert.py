@@ -59,6 +59,13 @@ def _rel_err(out, ref):
     return float(np.abs(out - ref).max() / np.abs(ref).max())
 
 
+# The project's parity bar against diffusers (WORKSPACE_NOTES.md), kept: max|ours - ref| / max|ref| < 1e-4 = 840 eps. Two
+# float32 implementations of the same model differ only by summation order and op formulas: measured 3.4e-7 to 1.1e-6
+# (3-9 eps) over these cases, ~100x below the bar, which is itself ~10,000x below a porting error (a wrong weight,
+# layout or formula is O(1)).
+PARITY = 1e-4
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_parity_with_diffusers_folder(case, tmp_path):
     overrides, (h, w) = CASES[case]
@@ -70,7 +77,7 @@ def test_parity_with_diffusers_folder(case, tmp_path):
     out = _jax_forward(model, params, *inputs)
     assert out.shape == ref.shape
     assert np.abs(ref).max() > 0.1  # a real signal, not a near-zero output
-    assert _rel_err(out, ref) < 1e-4, _rel_err(out, ref)
+    assert _rel_err(out, ref) < PARITY, _rel_err(out, ref)
 
 
 def test_from_torch_state_dict_and_back():
@@ -80,10 +87,13 @@ def test_from_torch_state_dict_and_back():
     params = convert.from_state_dict(model, reference.state_dict())
     inputs = _inputs(8, 8)
     ref = _torch_forward(reference, *inputs)
-    assert _rel_err(_jax_forward(model, params, *inputs), ref) < 1e-4
+    assert _rel_err(_jax_forward(model, params, *inputs), ref) < PARITY
 
     fresh = diffusers.SD3Transformer2DModel(**{**TINY, "qk_norm": "rms_norm", "dual_attention_layers": (0,)}).eval()
     fresh.load_state_dict({k: torch.from_numpy(v) for k, v in convert.to_state_dict(model, params).items()}, strict=True)
+    # Both forwards are torch with the same kernels on the same float32 weights (bitwise, measured) except the recomputed
+    # position table, <= 1 ulp (9e-8) off diffusers' own: a relative eps at the input of normalized layers, a few eps of
+    # max|ref| = 1.7 at the output (measured 2.4e-7 = 1.2 eps); atol 1e-6 = 4.8 eps of it
     np.testing.assert_allclose(_torch_forward(fresh, *inputs), ref, rtol=0, atol=1e-6)
 
 
@@ -93,7 +103,7 @@ def test_sharded_safetensors_and_pipeline_folder(tmp_path):
     assert (tmp_path / "transformer" / "diffusion_pytorch_model.safetensors.index.json").exists()
     model, params = convert.load_diffusers(str(tmp_path))  # a pipeline folder: finds transformer/
     inputs = _inputs(8, 8)
-    assert _rel_err(_jax_forward(model, params, *inputs), _torch_forward(reference, *inputs)) < 1e-4
+    assert _rel_err(_jax_forward(model, params, *inputs), _torch_forward(reference, *inputs)) < PARITY
 
 
 def test_bfloat16_safetensors_read_without_torch(tmp_path):

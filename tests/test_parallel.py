@@ -8,6 +8,14 @@ from jax.sharding import PartitionSpec as P
 
 from flowrl_jax import parallel
 
+EPS = float(np.finfo(np.float32).eps)  # 1.19e-7
+# Sharded and one-device programs compute the same float32 math and differ only in summation order (a batch of 1 vs 8 per
+# device, FSDP partial sums added across devices, XLA:CPU's per-shape blocking, which differs between CPUs). Worst case a
+# K-term reduction reorders to within K eps sum|terms|; with every op's error passed on at unit gain (normalized layers),
+# a program's output is within (reduced terms + elementwise ops) eps of its scale, counted from the tiny model's jaxprs:
+FORWARD_TERMS = 2800  # forward: 43 matmuls (sum K 1,782) + 29 sums (730) + 261 elementwise ops
+GRAD_TERMS = 16000  # value_and_grad at batch 8: matmuls 6,744 + sums 8,345 (bias and weight grads sum 8 x 16 rows) + 650
+
 
 def test_eight_simulated_devices():
     assert jax.device_count() == 8, "tests/conftest.py must set XLA_FLAGS before jax is imported"
@@ -82,11 +90,18 @@ def test_sharded_forward_and_grad_equal_single_device(tiny_model, tiny_params, s
     one = jax.devices()[0]
     local = jax.device_put((tiny_params, inputs), one)
     v_ref = jax.jit(lambda p, *a: tiny_model.apply({"params": p}, *a))(*(local[0],), *local[1])
-    np.testing.assert_allclose(np.asarray(v), np.asarray(v_ref), rtol=1e-5, atol=1e-5)
+    # 2,800 eps = 3.3e-4 of max|v| (12); measured 2.9e-7. Sharding bugs are O(1): rows out of order or half of a kernel lost
+    # move outputs by >= 0.3 of their scale (measured on the rollout in tests/test_rollout.py), ~1,000x the bound.
+    np.testing.assert_allclose(np.asarray(v), np.asarray(v_ref), rtol=0, atol=FORWARD_TERMS * EPS * float(jnp.abs(v_ref).max()))
 
     l_sh, g_sh = step(params, *sharded_inputs)
     l_ref, g_ref = jax.jit(jax.value_and_grad(loss))(local[0], *local[1])
-    np.testing.assert_allclose(l_sh, l_ref, rtol=1e-5)
+    # mean(v^2): twice v's relative error plus a 1,536-term positive sum reordered across devices: (2 x 2,800 + 1,536) eps
+    # = 8.5e-4 relative; measured 7e-8
+    np.testing.assert_allclose(l_sh, l_ref, rtol=(2 * FORWARD_TERMS + 1536) * EPS)
     assert g_sh["transformer_blocks_0"]["ff"]["fc1"]["kernel"].sharding.spec == P(None, "fsdp")
     for a, b in zip(jax.tree_util.tree_leaves(g_sh), jax.tree_util.tree_leaves(g_ref)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+        # 16,000 eps = 1.9e-3 of each gradient's max|.| (exactly 0 where a leaf's gradient is structurally 0); measured
+        # <= 1.2e-6. A lost or doubled all-reduce changes a gradient by O(1) (x 2 for a doubled one): >= 500x the bound.
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(a, b, rtol=0, atol=GRAD_TERMS * EPS * float(np.abs(b).max()))
