@@ -1,5 +1,6 @@
-"""The train job end to end at tiny size: outputs, resume equality, SIGTERM, NaN stops, bad inputs,
-and the 8-device run agreeing with one device."""
+"""The train job end to end at tiny size: outputs, resume equality (past a damaged checkpoint), SIGTERM, NaN
+stops, bad inputs, and the 8-device run agreeing with one device. The methods' runs are in test_train_methods.py
+(a file of their own, so that pytest-xdist's two workers share the train runs)."""
 import hashlib
 import json
 import os
@@ -156,8 +157,12 @@ def test_eight_device_run_agrees_with_one_device(base, tmp_path, monkeypatch):
     monkeypatch.setattr(parallel, "make_mesh", lambda axes: real((("data", 1), ("fsdp", 1)), devices=jax.devices()[:1]))
     _run(base, tmp_path / "one", **fields)
     rows = [[json.loads(line) for line in open(tmp_path / d / "metrics.jsonl") if "reward" in line][0] for d in ("eight", "one")]
+    # rtol 2e-3: loss, kl and grad_norm are float32 sums over up to ~16k terms (the tiny DiT's elements for grad_norm)
+    # reduced in another order over 8 devices, |delta| <= K eps sum|terms| = 16e3 x 1.2e-7 ~ 2e-3 relative at worst
+    # (measured ~1e-6); rewards and clipfrac are thresholded and equal unless a value sits on a threshold. A sharding
+    # bug (a wrong batch row, an unreduced gradient) moves them by O(1).
     for key in ("reward", "loss", "policy_loss", "kl", "clipfrac", "grad_norm"):
-        np.testing.assert_allclose(rows[0][key], rows[1][key], rtol=1e-4, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(rows[0][key], rows[1][key], rtol=2e-3, atol=1e-6, err_msg=key)
     eight, one = _state(str(tmp_path / "eight")), _state(str(tmp_path / "one"))
     # Adam's first step is ~lr * sign(g): where a gradient is ~0, float-level differences between the two
     # reductions flip the sign of that element's step. Bound it: every element within one step's size (2 lr)
@@ -165,59 +170,3 @@ def test_eight_device_run_agrees_with_one_device(base, tmp_path, monkeypatch):
     diffs = np.concatenate([np.abs(np.asarray(a) - np.asarray(b)).ravel()
                             for a, b in zip(jax.tree_util.tree_leaves(eight["params"]), jax.tree_util.tree_leaves(one["params"]))])
     assert diffs.max() <= 2 * TINY["train.lr"] and np.mean(diffs > 1e-5) < 0.005
-
-
-def _brightness_reward(monkeypatch):
-    """A reward with spread even for an untrained base (mean pixel value), so advantages are non-zero."""
-    monkeypatch.setitem(rewards.REWARDS, "shapes_score", lambda: (lambda images, prompts: np.asarray(images).mean(axis=(1, 2, 3))))
-
-
-def test_stepwise_adaptive_curriculum_and_lambda_control_run_together(base, tmp_path, monkeypatch):
-    _brightness_reward(monkeypatch)
-    out = _run(base, tmp_path, **{"train.iterations": 2, "credit.names": ("stepwise", "adaptive"), "curriculum.enabled": True,
-                                  "objective.grpo.lambda_control": True, "sampler.sde_window": (0, 2)})
-    assert out["step"] == 2
-    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"reward"' in line]
-    assert {"path_variance/step_0", "path_variance_pred/step_1", "path_variance_budget", "over_budget_fraction"} <= set(rows[-1])
-    assert rows[-1]["updates"] > 0 and rows[-1]["path_variance/step_0"] > 0
-    state = _state(str(tmp_path))
-    assert int(state["credit"]["adaptive"]["count"]) == 2
-    assert int(np.asarray(state["curriculum"]["count"]).sum()) == 2 * TINY["train.prompts_per_iteration"]
-
-
-def test_turning_points_compose_with_spatial_credit_and_draw_credit_maps(base, tmp_path, monkeypatch):
-    _brightness_reward(monkeypatch)
-    out = _run(base, tmp_path, **{"train.iterations": 2, "credit.names": ("turning_point", "spatial"), "objective.grpo.ratio": "token"})
-    assert out["step"] == 2
-    assert os.path.isfile(tmp_path / "credit_maps_000001.png") and os.path.isfile(tmp_path / "credit_maps_000002.png")
-    with pytest.raises(ConfigError, match="credit spatial needs per-token ratios.*config.objective.grpo"):
-        _run(base, tmp_path / "bad", **{"credit.names": ("uniform", "spatial")})
-
-
-@pytest.mark.parametrize("name", ["advantage_flow", "nft", "leapalign"])
-def test_forward_process_and_leap_objectives_train_through_the_shared_loop(base, tmp_path, monkeypatch, name):
-    _brightness_reward(monkeypatch)
-    slots = {} if name == "leapalign" else {f"objective.{name}.timesteps": 2}
-    out = _run(base, tmp_path, **{"train.iterations": 2, "objective.name": name, "sampler.kind": "ode", **slots})
-    assert out["step"] == 2
-    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"reward"' in line]
-    assert rows[-1]["updates"] == TINY["train.minibatches"] and rows[-1]["kept_fraction"] == 1.0
-    assert {"advantage_flow": "flow_matching", "nft": "optimality_mean", "leapalign": "learned_reward"}[name] in rows[-1]
-    state, first = _state(str(tmp_path)), _state(str(tmp_path), 1)
-    moved = [np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in zip(jax.tree_util.tree_leaves(state["params"]),
-                                                                       jax.tree_util.tree_leaves(first["params"]))]
-    assert max(moved) > 0
-    if name == "nft":  # the old policy follows with d = min(0.001 step, 0.5): after step 1 (d = 0.001) it is ~ the policy
-        old_gap = max(np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in zip(jax.tree_util.tree_leaves(state["old"]),
-                                                                                jax.tree_util.tree_leaves(state["params"])))
-        assert 0 < old_gap <= 0.01 * max(moved) + 1e-9
-
-
-def test_objectives_reject_samplers_and_credit_they_cannot_use(base, tmp_path):
-    for fields, match in [({"objective.name": "grpo", "sampler.kind": "ode"}, "cannot be trained on"),
-                          ({"objective.name": "nft", "sampler.kind": "sde"}, "choose one of ode"),
-                          ({"objective.grpo.lambda_control": True, "sampler.kind": "lc"}, "choose one of sde, cps"),
-                          ({"objective.name": "nft", "sampler.kind": "ode", "sampler.same_noise_per_group": True}, "same_noise_per_group"),
-                          ({"objective.name": "advantage_flow", "sampler.kind": "ode", "credit.names": ("stepwise",)}, "needs per-step")]:
-        with pytest.raises(ConfigError, match=match):
-            _run(base, tmp_path / "bad", **fields)
