@@ -82,7 +82,7 @@ def test_balanced_bonus_keeps_every_turning_point_when_only_one_sign_is_present(
     expected = np.array([[0.3 - 0.5, 0.9 - 0.3, 0.9 - 0.6],    # by hand: d_0, R_n - R_1 at the turning point, d_2
                          [0.4 - 0.5, 0.7 - 0.4, 0.7 - 0.55],
                          [0.0, 0.0, 0.0]])
-    np.testing.assert_allclose(r_tilde, expected, atol=1e-6)
+    np.testing.assert_allclose(r_tilde, expected, atol=1e-6)  # float32 differences of O(1) values: a few ulp (1.2e-7)
 
 
 def test_turning_point_advantage_sits_on_the_trained_steps_group_normalized():
@@ -182,6 +182,7 @@ def test_spatial_multiplies_the_incoming_advantage_per_token_with_the_final_imag
     w = _np_mad_weights(_np_token_norms(grad, 2), 1.5, 3.0)
     a = _group_norm(r, group_std=False)
     assert adv.shape == (6, 4, 4)
+    # float32 group statistics of 6 rewards (~10 ulp) times a 4-token float32 softmax (~5 ulp): well under 1e-4
     np.testing.assert_allclose(adv, np.broadcast_to(a[:, None, None] * w[:, None, :], (6, 4, 4)), rtol=1e-4, atol=1e-6)
 
 
@@ -206,6 +207,7 @@ def test_spatial_per_step_maps_come_from_each_trained_step_s_tweedie_estimate():
     a = _group_norm(r, group_std=False)
     for t in range(4):
         expected = _np_mad_weights(_np_token_norms(np.asarray(x0_hat[:, t]) ** 2, 2), 2.0, 3.0) if t in (1, 2) else np.ones((6, 4))
+        # as above: float32 group statistics and softmax against float64, ~15 ulp
         np.testing.assert_allclose(adv[:, t], a[:, None] * expected, rtol=1e-4, atol=1e-6, err_msg=f"step {t}")
 
 
