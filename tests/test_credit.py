@@ -112,7 +112,7 @@ def test_ode_completions_equal_the_ode_sampler_from_each_state():
         velocity = lambda x, s: scale[b, 0] * base(x, s)  # noqa: E731
         for j, t in enumerate(steps):
             # float32 Euler from the same state, the same ops in another batch layout: 1e-5 ~ 6 steps x a few ulps of |x| <= 4
-            np.testing.assert_allclose(out[b, j], rollout.sample(velocity, states[b:b + 1, j], sigmas[t:])[0], atol=1e-5)
+            np.testing.assert_allclose(out[b, j], rollout.sample(velocity, states[b:b + 1, j], sigmas[t:])[0], atol=1e-5)  # <= 6 Euler steps x a few ulp of |x| <= 4
 
 
 # ------------------------------------------------------------------------------------------- spatial
@@ -142,7 +142,7 @@ def test_mad_weights_against_numpy_average_one_and_go_uniform_at_high_temperatur
     c = jnp.asarray(np.random.default_rng(0).lognormal(0.0, 0.5, size=(1, 64)), jnp.float32)
     w = spatial.mad_weights(c, tau=2.0)
     # 1e-5: float32 softmax of 64 terms against float64 (a few ulp per exp and sum)
-    np.testing.assert_allclose(w, _np_mad_weights(c, 2.0, 3.0), rtol=1e-5)
+    np.testing.assert_allclose(w, _np_mad_weights(c, 2.0, 3.0), rtol=1e-5)  # float32 softmax of 64 terms vs float64: a few ulp per exp and sum
     np.testing.assert_allclose(w.mean(-1), 1.0, rtol=1e-5)
     assert float(w.std()) > 0.1
     np.testing.assert_allclose(spatial.mad_weights(c, tau=1e6), 1.0, atol=1e-4)
@@ -183,7 +183,7 @@ def test_spatial_multiplies_the_incoming_advantage_per_token_with_the_final_imag
     a = _group_norm(r, group_std=False)
     assert adv.shape == (6, 4, 4)
     # float32 group statistics of 6 rewards (~10 ulp) times a 4-token float32 softmax (~5 ulp): well under 1e-4
-    np.testing.assert_allclose(adv, np.broadcast_to(a[:, None, None] * w[:, None, :], (6, 4, 4)), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(adv, np.broadcast_to(a[:, None, None] * w[:, None, :], (6, 4, 4)), rtol=1e-4, atol=1e-6)  # ~15 ulp, see above
 
 
 class _GradientContext:
@@ -208,7 +208,7 @@ def test_spatial_per_step_maps_come_from_each_trained_step_s_tweedie_estimate():
     for t in range(4):
         expected = _np_mad_weights(_np_token_norms(np.asarray(x0_hat[:, t]) ** 2, 2), 2.0, 3.0) if t in (1, 2) else np.ones((6, 4))
         # as above: float32 group statistics and softmax against float64, ~15 ulp
-        np.testing.assert_allclose(adv[:, t], a[:, None] * expected, rtol=1e-4, atol=1e-6, err_msg=f"step {t}")
+        np.testing.assert_allclose(adv[:, t], a[:, None] * expected, rtol=1e-4, atol=1e-6, err_msg=f"step {t}")  # ~15 ulp, see above
 
 
 # ------------------------------------------------------------------------------------------ adaptive
@@ -280,7 +280,7 @@ def test_kernel_means_and_step_costs_against_spec_closed_forms(kind):
         c_x, c_v, std = _np_kernel(kind, sigmas[i], sigmas[i + 1], sigma_1=sigmas[1])
         mean, got_std, _ = kernels.transition(kind, lambda y, s: v, x, sigmas[i], sigmas[i + 1], 0.7, sigmas[1])
         # float32 arithmetic on O(1) values against float64: a few ulp (1e-6 relative; 1e-6 absolute for the c_x x + c_v v sum)
-        np.testing.assert_allclose(mean, c_x * np.asarray(x, np.float64) + c_v * np.asarray(v, np.float64), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(mean, c_x * np.asarray(x, np.float64) + c_v * np.asarray(v, np.float64), rtol=1e-5, atol=1e-6)  # float32 c_x x + c_v v, O(1) terms: a few ulp
         np.testing.assert_allclose(float(got_std[0]), std, rtol=1e-5)
         np.testing.assert_allclose(float(grpo.step_cost(kind, sigmas[i], sigmas[i + 1], 0.7, sigmas[1])), c_v**2 / std**2, rtol=1e-4)
 
