@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import flax
 import jax
@@ -71,8 +71,7 @@ def mmdit_from_config(config: Mapping[str, Any], **overrides) -> MMDiT:
 
 
 def _abstract_params(model: MMDiT) -> dict:
-    shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), *model.dummy_inputs()))
-    return flax.traverse_util.flatten_dict(shapes["params"], sep="/")
+    return flat_abstract_params(model, *model.dummy_inputs())
 
 
 def _to_numpy(value) -> np.ndarray:
@@ -89,44 +88,68 @@ def _expected_pos_table(model: MMDiT) -> np.ndarray | None:
     return table.reshape(1, -1, model.inner_dim)
 
 
-def from_state_dict(model: MMDiT, state_dict: Mapping[str, Any]) -> dict:
-    """A diffusers state_dict ({name: array-like}) -> our `params` tree (in `model.param_dtype`)."""
-    expected = _abstract_params(model)
-    p, c = model.patch_size, model.in_channels
+def convert_tree(abstract: Mapping[str, Any], state_dict: Mapping[str, Any], key_of: Callable[[str], str],
+                 transform: Callable[[str, np.ndarray], np.ndarray] | None = None, dtype=jnp.float32,
+                 ignored: Callable[[str], bool] = lambda key: False, what: str = "the model") -> dict:
+    """A {name: array-like} state_dict -> a params tree, for any port (MMDiT, CLIP, T5, VAE).
+
+    abstract   {our "a/b/kernel" path: ShapeDtypeStruct} (`flat_abstract_params`)
+    key_of     our path -> the reference's key;  transform (path, float32 value) -> our layout
+    ignored    reference keys that are no parameter of ours (buffers such as position_ids)
+    Every unknown, missing or mis-shaped key is collected into one `ConversionError` that names them.
+    """
     flat, missing, mismatched = {}, [], []
-    for path, abstract in expected.items():
-        key = diffusers_key(path)
+    for path, spec in abstract.items():
+        key = key_of(path)
         if key not in state_dict:
             missing.append(key)
             continue
         value = _to_numpy(state_dict[key])
-        if path == "pos_embed_proj/kernel":  # conv [D, C, p, p] -> [p*p*C, D] (patchify order p, q, C)
-            value = value.transpose(2, 3, 1, 0).reshape(p * p * c, -1) if value.ndim == 4 else value
-        elif path.endswith("/kernel"):
-            value = value.T
-        if value.shape != abstract.shape:
-            mismatched.append(f"{key}: got {value.shape}, model expects {abstract.shape}")
+        if transform is not None:
+            value = transform(path, value)
+        if value.shape != tuple(spec.shape):
+            mismatched.append(f"{key}: got {value.shape}, model expects {tuple(spec.shape)}")
             continue
-        flat[path] = jnp.asarray(value, dtype=model.param_dtype)
-    claimed = {diffusers_key(path) for path in expected} | {_POS_TABLE_KEY}
-    unknown = sorted(k for k in state_dict if k not in claimed)
+        flat[path] = jnp.asarray(value, dtype=dtype)
+    claimed = {key_of(path) for path in abstract}
+    unknown = sorted(k for k in state_dict if k not in claimed and not ignored(k))
     problems = []
     if unknown:
-        problems.append(f"{len(unknown)} unknown keys (not in this MMDiT config): {unknown}")
+        problems.append(f"{len(unknown)} unknown keys (not in this config of {what}): {unknown}")
     if missing:
         problems.append(f"{len(missing)} missing keys: {missing}")
     if mismatched:
         problems.append(f"{len(mismatched)} shape mismatches: {mismatched}")
-    if _POS_TABLE_KEY in state_dict and not problems:
+    if problems:
+        raise ConversionError(f"cannot load weights into {what}: " + "; ".join(problems))
+    return flax.traverse_util.unflatten_dict(flat, sep="/")
+
+
+def flat_abstract_params(module, *inputs) -> dict:
+    """{"a/b/kernel": ShapeDtypeStruct} of `module.init(rng, *inputs)["params"]`, computed abstractly."""
+    shapes = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), *inputs))
+    return flax.traverse_util.flatten_dict(shapes["params"], sep="/")
+
+
+def from_state_dict(model: MMDiT, state_dict: Mapping[str, Any]) -> dict:
+    """A diffusers state_dict ({name: array-like}) -> our `params` tree (in `model.param_dtype`)."""
+    p, c = model.patch_size, model.in_channels
+
+    def transform(path, value):
+        if path == "pos_embed_proj/kernel":  # conv [D, C, p, p] -> [p*p*C, D] (patchify order p, q, C)
+            return value.transpose(2, 3, 1, 0).reshape(p * p * c, -1) if value.ndim == 4 else value
+        return value.T if path.endswith("/kernel") else value
+
+    params = convert_tree(_abstract_params(model), state_dict, diffusers_key, transform, model.param_dtype,
+                          ignored=lambda key: key == _POS_TABLE_KEY, what="MMDiT")
+    if _POS_TABLE_KEY in state_dict:
         table, ours = _to_numpy(state_dict[_POS_TABLE_KEY]), _expected_pos_table(model)
         if ours is None or table.shape != ours.shape or not np.allclose(table, ours, atol=1e-4):
-            problems.append(
-                f"{_POS_TABLE_KEY} does not match the sin-cos table of sample_size={model.sample_size}, "
-                f"patch_size={p}, pos_embed_max_size={model.pos_embed_max_size}: check the config"
+            raise ConversionError(
+                f"cannot load weights into MMDiT: {_POS_TABLE_KEY} does not match the sin-cos table of "
+                f"sample_size={model.sample_size}, patch_size={p}, pos_embed_max_size={model.pos_embed_max_size}: check the config"
             )
-    if problems:
-        raise ConversionError("cannot load diffusers weights into MMDiT: " + "; ".join(problems))
-    return flax.traverse_util.unflatten_dict(flat, sep="/")
+    return params
 
 
 def to_state_dict(model: MMDiT, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
