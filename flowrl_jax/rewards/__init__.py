@@ -6,6 +6,7 @@
 - `shapes_score`: the exact evaluator's partial-credit score (Flow-GRPO's GenEval reward), in [0, 1].
 - `shapes_strict`: its 0/1 GenEval correctness.
 - `learned`: the shipped learned reward (`shapes32_reward`, differentiable in the pixels).
+- `jpeg_compressibility` / `jpeg_incompressibility`: DDPO's model-free rewards (`image.py`), for any world.
 New rewards register in `REWARDS` (a factory returning the function, so heavy ones load lazily).
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flowrl_jax.rewards import learned, shapes_eval
+from flowrl_jax.rewards import image, learned, shapes_eval
 
 
 def _exact(field: str) -> Callable:
@@ -39,6 +40,8 @@ REWARDS: dict[str, Callable[[], Callable]] = {
     "shapes_score": lambda: _exact("score"),
     "shapes_strict": lambda: _exact("strict"),
     "learned": _learned,
+    "jpeg_compressibility": lambda: image.jpeg_compressibility,
+    "jpeg_incompressibility": lambda: image.jpeg_incompressibility,
 }
 
 
