@@ -112,6 +112,7 @@ class Job:
     history: dict
     local: slice     # this process's rows of the global batch
     start_step: int  # the iteration this process started (or resumed) at
+    reader: Any = None  # the world's per-process prompt reader (its position is checkpointed), or None
 
 
 def setup(config, workdir: str, world) -> tuple[Job, TrainState]:
@@ -145,25 +146,34 @@ def setup(config, workdir: str, world) -> tuple[Job, TrainState]:
     if restored is not None:
         state, history = restored, {**history, **meta.get("history", {})}
         print(f"resumed from step {int(state.step)} in {ckpt.directory}")
+    reader = None
+    if hasattr(world, "prompt_reader") and not config.curriculum.enabled:  # the curriculum draws prompt indices itself
+        reader = world.prompt_reader(t_cfg.prompts_per_iteration)
+        if restored is not None and "prompt_reader" in meta:  # saved by process 0; every process is at the same position
+            reader.set_state({**meta["prompt_reader"], "process_index": jax.process_index()})
     job = Job(config, workdir, world, mesh, steps, credit, reward_fn, ckpt, metrics.MetricWriter(workdir), history,
-              parallel.process_batch_slice(batch), int(state.step))
+              parallel.process_batch_slice(batch), int(state.step), reader)
     return job, state
 
 
 # ----------------------------------------------------------------------------------------------- phases
 def sample_prompts(job: Job, state: TrainState, it: int) -> dict:
-    """The iteration's prompts (uniform, or the curriculum's draw), each `G` times, tokenized and sharded."""
+    """The iteration's prompts, each `G` times, tokenized and sharded: this process's rows of the world's
+    per-process reader when it has one, else of the global draw (uniform, or the curriculum's)."""
     t_cfg, cur = job.config.train, job.config.curriculum
-    host_rng = np.random.default_rng([job.config.seed, it])
-    if cur.enabled:
-        drawn = curriculum.draw(jax.device_get(state.curriculum), t_cfg.prompts_per_iteration, host_rng, cur)
+    drawn = None
+    if job.reader is not None:
+        local = [row for row in next(job.reader) for _ in range(t_cfg.group_size)]
     else:
-        drawn = job.world.sample_prompts(t_cfg.prompts_per_iteration, host_rng)
-    prompts = [job.world.train_prompts[i] for i in drawn for _ in range(t_cfg.group_size)]
+        host_rng = np.random.default_rng([job.config.seed, it])
+        if cur.enabled:
+            drawn = curriculum.draw(jax.device_get(state.curriculum), t_cfg.prompts_per_iteration, host_rng, cur)
+        else:
+            drawn = job.world.sample_prompts(t_cfg.prompts_per_iteration, host_rng)
+        local = [job.world.train_prompts[i] for i in drawn for _ in range(t_cfg.group_size)][job.local]
     group_ids = np.repeat(np.arange(t_cfg.prompts_per_iteration, dtype=np.int32), t_cfg.group_size)
-    ids, mask = job.world.tokenize(prompts)
-    ids, mask = parallel.shard_batch((ids[job.local], mask[job.local]), job.mesh)
-    return {"drawn": drawn, "prompts": prompts, "prompts_local": prompts[job.local], "group_ids": group_ids, "ids": ids, "mask": mask}
+    ids, mask = parallel.shard_batch(job.world.tokenize(local), job.mesh)
+    return {"drawn": drawn, "prompts_local": local, "group_ids": group_ids, "ids": ids, "mask": mask}
 
 
 def rollout(job: Job, state: TrainState, batch: dict, it: int):
@@ -249,7 +259,10 @@ def after_iteration(job: Job, state: TrainState, done: int, stop: StopSignal) ->
     if itstime(done, job.config.eval.every, t_cfg.iterations, last=out_of_time):
         run_eval(job, state, done)
     if itstime(done, job.config.checkpoint.every, t_cfg.iterations, last=out_of_time or bool(stop.requested)):
-        job.ckpt.save(done, state, {"step": done, "history": history})
+        meta = {"step": done, "history": history}
+        if job.reader is not None:
+            meta["prompt_reader"] = job.reader.get_state()
+        job.ckpt.save(done, state, meta)
     if stop.requested:
         tqdm.write(f"{stop.requested}: saved a checkpoint at step {done} in {job.ckpt.directory}; rerun the same command to resume")
         return stop.requested

@@ -189,20 +189,25 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
     return out
 
 
-def _weight_files(folder: str) -> list[str]:
-    index = os.path.join(folder, "diffusion_pytorch_model.safetensors.index.json")
-    single = os.path.join(folder, "diffusion_pytorch_model.safetensors")
+def read_weights(folder: str, stem: str = "diffusion_pytorch_model") -> dict[str, np.ndarray]:
+    """Every tensor of `folder/<stem>.safetensors` or of the shards its `.index.json` lists, as numpy (no torch).
+    diffusers saves `diffusion_pytorch_model.*`, transformers `model.*`."""
+    index, single = os.path.join(folder, f"{stem}.safetensors.index.json"), os.path.join(folder, f"{stem}.safetensors")
     if os.path.exists(index):
         with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return [os.path.join(folder, name) for name in sorted(set(weight_map.values()))]
-    if os.path.exists(single):
-        return [single]
-    found = sorted(os.listdir(folder))
-    raise FileNotFoundError(
-        f"no diffusers weights in {folder}: expected diffusion_pytorch_model.safetensors or its "
-        f".index.json (found {found}); save the model with save_pretrained(..., safe_serialization=True)"
-    )
+            files = [os.path.join(folder, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
+    elif os.path.exists(single):
+        files = [single]
+    else:
+        found = sorted(os.listdir(folder)) if os.path.isdir(folder) else "no such folder"
+        raise FileNotFoundError(f"no weights in {folder}: expected {stem}.safetensors or its .index.json (found {found}); "
+                                "save the model with save_pretrained(..., safe_serialization=True)")
+    state_dict = {}
+    for file in files:
+        if not os.path.exists(file):
+            raise FileNotFoundError(f"weight shard {file} listed in the index is missing")
+        state_dict.update(read_safetensors(file))
+    return state_dict
 
 
 def load_diffusers(path: str, **model_overrides) -> tuple[MMDiT, dict]:
@@ -214,9 +219,5 @@ def load_diffusers(path: str, **model_overrides) -> tuple[MMDiT, dict]:
         raise FileNotFoundError(f"{config_path} not found: point to a diffusers SD3Transformer2DModel folder")
     with open(config_path) as f:
         model = mmdit_from_config(json.load(f), **model_overrides)
-    state_dict = {}
-    for file in _weight_files(folder):
-        if not os.path.exists(file):
-            raise FileNotFoundError(f"weight shard {file} listed in the index is missing")
-        state_dict.update(read_safetensors(file))
-    return model, from_state_dict(model, state_dict)
+    return model, from_state_dict(model, read_weights(folder))
+

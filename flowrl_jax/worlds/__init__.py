@@ -14,7 +14,9 @@
 Prompts are rows (dicts with at least "prompt"); the train set is indexable, so a curriculum can draw
 indices itself (`data/curriculum.py`). Every process draws the same global batch (the seed decides) and
 the loop takes this process's rows. The shapes world is the first instance; a latent world (SD3's text
-encoders and VAE) plugs in beside it with its own `DEFAULTS` and an entry in `WORLDS`.
+encoders and VAE, `sd3.py`) plugs in beside it with its own `DEFAULTS` and an entry in `WORLDS`. A world may
+also offer `prompt_reader(prompts_per_iteration)`: a per-process reader (`data/datasets.PromptReader`) that the
+loop then draws from instead of `sample_prompts`, saving its position in the checkpoint.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from flowrl_jax.worlds import shapes
+from flowrl_jax.worlds import sd3, shapes
 
 
 class World(Protocol):
@@ -43,7 +45,10 @@ class World(Protocol):
     def evaluate(self, dit_params, frozen: dict, step: int, workdir: str) -> dict: ...
 
 
-WORLDS: dict[str, tuple[Callable[[Any], World], dict]] = {"shapes": (shapes.ShapesWorld, shapes.DEFAULTS)}  # class, DEFAULTS
+WORLDS: dict[str, tuple[Callable[[Any], World], dict]] = {  # name: (class, DEFAULTS)
+    "shapes": (shapes.ShapesWorld, shapes.DEFAULTS),
+    "sd3": (sd3.SD3World, sd3.DEFAULTS),
+}
 
 
 def config_fields(name: str = "shapes") -> dict:

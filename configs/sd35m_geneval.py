@@ -1,0 +1,19 @@
+"""Flow-GRPO on SD3.5-Medium, GenEval prompts (flow_grpo `config/grpo.py:geneval_sd3`): beta 0.04.
+
+    python -m flowrl_jax.data.datasets flow_grpo/dataset/geneval/train_metadata.jsonl data/geneval --split train
+    python -m flowrl_jax.data.datasets flow_grpo/dataset/geneval/test_metadata.jsonl data/geneval --split test
+    python -m flowrl_jax.main --config configs/sd35m_geneval.py --workdir gs://bucket/runs/geneval \\
+        --config.world.pipeline=/path/to/stable-diffusion-3.5-medium \\
+        --config.world.train_prompts=data/geneval --config.world.test_prompts=data/geneval
+
+The GenEval reward needs an object detector that is not in this library yet (README "Real models"): until a
+GenEval reward is registered (`rewards.REWARDS`, local or behind a server), `--config.train.rewards` picks
+what to optimise; the default is the model-free JPEG compressibility, so the preset runs end to end.
+"""
+from flowrl_jax import config_lib
+
+
+def get_config(arg: str = ""):
+    config = config_lib.sd35m_train_config(beta=0.04)
+    config.lock()
+    return config

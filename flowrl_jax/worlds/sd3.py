@@ -1,0 +1,141 @@
+"""The latent world: a diffusers SD3 / SD3.5 pipeline folder (CLIP-L/G + T5, MMDiT, 16-channel VAE) in JAX.
+
+    config.world = worlds.config_fields("sd3")        # pipeline folder, prompt datasets, resolution, ...
+    world = SD3World(config)
+
+prompts -> the three tokenizers (host) -> `encode` (jit: diffusers' `encode_prompt`) -> the DiT's rollout in
+latent space -> `decode` (the VAE) -> rewards on images -> eval on the held-out prompts. Prompt sets are
+ArrayRecord datasets written by `python -m flowrl_jax.data.datasets` (a folder + split) or, for small sets,
+the source file itself (JSONL or one prompt per line). The train prompts are read per process by a grain
+`PromptReader` (`data/datasets.py`): each process gets its own `prompts_per_iteration / process_count`
+prompts, and the reader's position is saved in the checkpoint so a resumed run continues the same order.
+Rewards are `rewards.REWARDS` by name (image rewards: any world's). The text encoders and the VAE are
+frozen (`frozen = {"dit", "text", "vae"}`).
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from flowrl_jax import metrics, rewards
+from flowrl_jax.data import datasets
+from flowrl_jax.models.sd3 import load_sd3_pipeline
+
+DEFAULTS = {
+    "pipeline": "",          # a diffusers StableDiffusion3Pipeline folder (required)
+    "train_prompts": "",     # an ArrayRecord dataset folder (split "train"), an .array_record, a .jsonl or a .txt (required)
+    "test_prompts": "",      # the same for the eval set (split "test"); "" = no eval
+    "resolution": 512,       # pixels; latents are resolution / 8
+    "clip_max_length": 77,   # CLIP tokens (diffusers: the tokenizer's model_max_length, 77)
+    "t5_max_length": 256,    # T5 tokens (diffusers' default 256; flow_grpo uses 128)
+    "dtype": "float32",      # compute dtype of every component ("bfloat16" on TPU / GPU)
+    "param_dtype": "float32",
+}
+
+
+def prompt_set(path: str, split: str) -> datasets.PromptDataset:
+    """An ArrayRecord folder/file, or a JSONL / text source read in memory, as a random-access prompt set."""
+    if path.endswith((".jsonl", ".txt")):
+        return datasets.PromptDataset(datasets.read_source(path))
+    return datasets.PromptDataset(path, split)
+
+
+class SD3World:
+    eval_name, eval_rows = "Reward on the test prompts", "prompts"
+
+    def __init__(self, config):
+        w = config.world
+        for field in ("pipeline", "train_prompts"):
+            if not w[field]:
+                raise ValueError(f"config.world.{field} is required for the sd3 world: pass --config.world.{field}=...")
+        if not os.path.isdir(w.pipeline):
+            raise FileNotFoundError(f"config.world.pipeline: folder {w.pipeline} not found (a diffusers SD3 pipeline folder)")
+        self.config, self.world_cfg, self.eval_cfg, self.seed = config, w, config.eval, config.seed
+        self.train_prompts = prompt_set(w.train_prompts, "train")
+        test = prompt_set(w.test_prompts, "test") if w.test_prompts else []
+        self.test_prompts = [test[i] for i in range(len(test))]
+        self.rewards = config.train.rewards
+        self.pipe, self._sampler, self._reward_fn, self.reader = None, None, None, None
+
+    # ------------------------------------------------------------------------------------------ model
+    def load(self):
+        w = self.world_cfg
+        self.pipe, params = load_sd3_pipeline(w.pipeline, dtype=jnp.dtype(w.dtype), param_dtype=jnp.dtype(w.param_dtype),
+                                              clip_max_length=w.clip_max_length, t5_max_length=w.t5_max_length)
+        self.latent_shape(1)  # the resolution fits the VAE and the patch size (ValueError otherwise)
+        return self.pipe.dit, params
+
+    def tokenize(self, prompts):
+        ids = self.pipe.tokenize([p["prompt"] for p in prompts])
+        return ids, np.ones(ids.shape, bool)  # SD3 attends to every token, pads included (diffusers)
+
+    def encode(self, frozen, ids, mask):
+        return self.pipe.encode(frozen["text"], ids)
+
+    def null_condition(self, frozen, batch: int):
+        return self.pipe.null_condition(frozen["text"], batch)
+
+    def latent_shape(self, batch: int):
+        return self.pipe.latent_shape(batch, self.world_cfg.resolution)
+
+    def decode(self, frozen, x):
+        return self.pipe.decode(frozen["vae"], x)
+
+    # ---------------------------------------------------------------------------------------- prompts
+    def sample_prompts(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        return rng.integers(len(self.train_prompts), size=n)
+
+    def prompt_reader(self, prompts_per_iteration: int) -> datasets.PromptReader:
+        """This process's reader of `prompts_per_iteration / process_count` train prompts per iteration."""
+        count = jax.process_count()
+        if prompts_per_iteration % count:
+            raise ValueError(f"train.prompts_per_iteration={prompts_per_iteration} must be divisible by the {count} processes")
+        if self.reader is None:
+            self.reader = datasets.PromptReader(self.train_prompts, prompts_per_iteration // count, self.seed,
+                                                jax.process_index(), count)
+        return self.reader
+
+    # ---------------------------------------------------------------------------------------- rewards
+    def reward_fn(self, weighted):
+        return rewards.build(weighted)
+
+    def reward_model(self):
+        raise ValueError("the sd3 world has no differentiable reward model yet: spatial credit and LeapAlign need one; "
+                         "use an objective and credit that take rewards only (grpo, nft, advantage_flow)")
+
+    def evaluate(self, dit_params, frozen, step: int, workdir: str) -> dict:
+        """The train rewards of ODE samples (CFG, eval.num_steps) on the test prompts; writes eval_<step>.png."""
+        e = self.eval_cfg
+        if not self.test_prompts:
+            return {"entry": {"table": {}}, "scalars": {}, "text": "no test prompts (config.world.test_prompts)"}
+        if self._sampler is None:
+            shift = self.config.sampler.shift
+            self._sampler = jax.jit(lambda p, ids, noise: self.pipe.decode(p["vae"], self.pipe.sample(p, ids, noise, e.num_steps, e.cfg, shift)))
+            self._reward_fn = rewards.build(self.rewards)
+        params = {"dit": dit_params, "text": frozen["text"], "vae": frozen["vae"]}
+        rows = [p for p in self.test_prompts for _ in range(e.samples_per_prompt)]
+        rng = jax.random.PRNGKey(self.seed + 1)  # the same noise at every eval
+        images, parts = [], []
+        for i, start in enumerate(tqdm(range(0, len(rows), e.batch_size), desc="eval", leave=False)):
+            chunk = rows[start : start + e.batch_size]
+            pad = e.batch_size - len(chunk)  # one compiled shape
+            ids = jnp.asarray(self.pipe.tokenize([r["prompt"] for r in chunk] + [""] * pad))
+            noise = jax.random.normal(jax.random.fold_in(rng, i), self.latent_shape(e.batch_size))
+            out = np.asarray(self._sampler(params, ids, noise))[: len(chunk)]
+            images.append(out)
+            parts.append(self._reward_fn(out, chunk))
+        images = np.concatenate(images)
+        table = {"test": {"reward": float(np.mean(np.concatenate([p[0] for p in parts]))),
+                          **{n: float(np.mean(np.concatenate([p[1][n] for p in parts]))) for n in parts[0][1]},
+                          "n": len(rows)}}
+        if jax.process_index() == 0:
+            metrics.save_grid(images[:16], os.path.join(workdir, f"eval_{step:06d}.png"), labels=[r["prompt"][:24] for r in rows[:16]],
+                              scale=max(1, 96 // images.shape[1]))
+        scalars = {f"eval/{k}": v for k, v in table["test"].items() if k != "n"}
+        text = (f"eval at step {step} ({len(self.test_prompts)} test prompts x {e.samples_per_prompt}, ODE {e.num_steps} steps, "
+                f"cfg {e.cfg}): " + ", ".join(f"{k} {v:.4f}" for k, v in table["test"].items() if k != "n"))
+        return {"entry": {"table": table}, "scalars": scalars, "text": text}

@@ -1,0 +1,187 @@
+"""The real pipeline end to end: a tiny random SD3 pipeline built with diffusers + transformers (PyTorch,
+test-only), saved with `save_pretrained`, loaded by `load_sd3_pipeline` (no torch on that path), sampled
+against diffusers' `StableDiffusion3Pipeline`, and trained on by the train job in the latent world."""
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+diffusers = pytest.importorskip("diffusers")
+transformers = pytest.importorskip("transformers")
+
+from flowrl_jax import checkpoint, main, train  # noqa: E402
+from flowrl_jax.data import datasets  # noqa: E402
+from flowrl_jax.models import convert  # noqa: E402
+from flowrl_jax.models.sd3 import load_sd3_pipeline  # noqa: E402
+from tests.conftest import load_config  # noqa: E402
+
+WORDS = ["a", "photo", "of", "red", "blue", "green", "cat", "dog", "dogs", "on", "the", "table", "two", "circle"]
+CLIP_LEN, T5_LEN, RESOLUTION = 12, 10, 16  # tokens; pixels (the tiny VAE halves it once: 8x8 latents, 16 DiT tokens)
+PROMPTS = ["a photo of a cat", "two red dogs on the table", "a blue circle", "a green dog", "the red table", "two cats"]
+
+
+def _tokenizers():
+    """CLIP (byte-level BPE over the words and letters) and T5 (unigram) tokenizers built offline."""
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for token in [w + "</w>" for w in WORDS] + [c + e for c in "abcdefghijklmnopqrstuvwxyz" for e in ("", "</w>")]:
+        vocab.setdefault(token, len(vocab))
+    clip = transformers.CLIPTokenizer(vocab=vocab, merges=[], model_max_length=CLIP_LEN)
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -3.0)] + [("▁" + w, -1.0) for w in WORDS]
+    t5 = transformers.T5TokenizerFast(vocab=pieces + [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"], extra_ids=0)
+    return clip, t5
+
+
+def build_tiny_sd3(folder: str):
+    """A random SD3 pipeline (dual-attention MMDiT, CLIP quick-gelu + gelu, T5 v1.1, 16-channel VAE) saved to `folder`."""
+    torch.manual_seed(0)
+    clip_tok, t5_tok = _tokenizers()
+    clip = dict(vocab_size=len(clip_tok), max_position_embeddings=CLIP_LEN, intermediate_size=24, num_attention_heads=2,
+                num_hidden_layers=2, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    components = dict(
+        transformer=diffusers.SD3Transformer2DModel(
+            sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
+            num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=24,
+            pos_embed_max_size=8, qk_norm="rms_norm", dual_attention_layers=(0,)),
+        text_encoder=transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(hidden_size=16, projection_dim=12, hidden_act="quick_gelu", **clip)),
+        text_encoder_2=transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(hidden_size=8, projection_dim=12, hidden_act="gelu", **clip)),
+        text_encoder_3=transformers.T5EncoderModel(transformers.T5Config(
+            vocab_size=len(t5_tok), d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
+            relative_attention_num_buckets=8, relative_attention_max_distance=16, pad_token_id=0, eos_token_id=1)),
+        vae=diffusers.AutoencoderKL(
+            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+            block_out_channels=(8, 16), layers_per_block=1, latent_channels=16, norm_num_groups=4, sample_size=RESOLUTION,
+            use_quant_conv=False, use_post_quant_conv=False, scaling_factor=1.5305, shift_factor=0.0609),
+    )
+    with torch.no_grad():  # off the zero-initialised adaLN / output layers, so every weight matters
+        for name in ("transformer", "vae"):
+            for p in components[name].parameters():
+                p.add_(0.05 * torch.randn_like(p))
+    pipe = diffusers.StableDiffusion3Pipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), tokenizer=clip_tok, tokenizer_2=clip_tok,
+        tokenizer_3=t5_tok, **{k: m.eval() for k, m in components.items()})
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def sd3(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("sd3"))
+    return folder, build_tiny_sd3(folder)
+
+
+# A 4-step sample is 8 DiT evaluations (CFG) on conditionings from three text encoders, then the VAE: each port's
+# parity is ~1e-6 relative (3-9 float32 eps, test_convert / test_clip_text / test_t5 / test_vae), and the Euler steps
+# carry an error forward with a gain ~1 (|d sigma| <= 1, a Lipschitz-O(1) velocity at these tiny random weights). So
+# ~10 sources of ~1e-6 add to ~1e-5; the project's parity bar 1e-4 (840 eps) keeps a 10x margin, and a porting error
+# (wrong weight, layout, token or schedule) is O(1) of max|ref|.
+PARITY = 1e-4
+
+
+def _rel_err(out, ref):
+    return float(np.abs(out - ref).max() / np.abs(ref).max())
+
+
+def test_sample_equals_diffusers_pipeline(sd3):
+    folder, reference = sd3
+    pipe, params = load_sd3_pipeline(folder, clip_max_length=CLIP_LEN, t5_max_length=T5_LEN)
+    assert pipe.shift == 3.0 and pipe.latent_shape(2, RESOLUTION) == (2, 8, 8, 16)
+    prompts = PROMPTS[:2]
+    noise = np.random.default_rng(0).standard_normal((2, 16, 8, 8)).astype(np.float32)  # NCHW, diffusers' layout
+    call = dict(prompt=prompts, height=RESOLUTION, width=RESOLUTION, num_inference_steps=4, guidance_scale=3.0,
+                max_sequence_length=T5_LEN)
+    with torch.no_grad():
+        ref_cond = reference.encode_prompt(prompts, None, None, do_classifier_free_guidance=True, max_sequence_length=T5_LEN)
+        ref_latents = reference(**call, latents=torch.from_numpy(noise), output_type="latent").images.numpy()
+        ref_images = reference(**call, latents=torch.from_numpy(noise), output_type="np").images
+
+    ids = jnp.asarray(pipe.tokenize(prompts))
+    tokens, pooled = jax.jit(pipe.encode)(params["text"], ids)
+    null_tokens, null_pooled = jax.jit(pipe.null_condition, static_argnums=1)(params["text"], 2)
+    for ours, ref in ((tokens, ref_cond[0]), (null_tokens, ref_cond[1]), (pooled, ref_cond[2]), (null_pooled, ref_cond[3])):
+        assert ours.shape == tuple(ref.shape) and _rel_err(np.asarray(ours), ref.numpy()) < PARITY
+    latents = jax.jit(pipe.sample, static_argnums=(3, 4))(params, ids, jnp.asarray(noise.transpose(0, 2, 3, 1)), 4, 3.0)
+    latents = np.asarray(latents).transpose(0, 3, 1, 2)
+    assert np.abs(latents - noise).max() > 0.1  # the sampler moved
+    assert _rel_err(latents, ref_latents) < PARITY, _rel_err(latents, ref_latents)
+    images = np.asarray(jax.jit(pipe.decode)(params["vae"], jnp.asarray(latents.transpose(0, 2, 3, 1))))
+    images = np.clip(images / 2 + 0.5, 0, 1)  # diffusers' postprocess to [0, 1]
+    assert images.shape == ref_images.shape == (2, RESOLUTION, RESOLUTION, 3)
+    assert _rel_err(images, ref_images) < PARITY, _rel_err(images, ref_images)
+
+
+def test_missing_component_and_bad_weights_name_the_file(sd3, tmp_path):
+    folder, _ = sd3
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    shutil.rmtree(broken / "vae")
+    with pytest.raises(FileNotFoundError, match="has no vae/"):
+        load_sd3_pipeline(str(broken))
+    shutil.copytree(os.path.join(folder, "vae"), broken / "vae")
+    config_path = broken / "text_encoder_2" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "hidden_size": 12}))  # the weights are width 8
+    with pytest.raises(convert.ConversionError, match="text_encoder_2.*text_model.embeddings.token_embedding.weight"):
+        load_sd3_pipeline(str(broken))
+
+
+# ------------------------------------------------------------------------------------------- train job
+def _prompt_dataset(root) -> str:
+    (root / "train.txt").write_text("\n".join(PROMPTS) + "\n")
+    (root / "test.txt").write_text("\n".join(PROMPTS[:2]) + "\n")
+    out = str(root / "prompts")
+    assert datasets.convert(str(root / "train.txt"), out, "train") == len(PROMPTS)
+    datasets.convert(str(root / "test.txt"), out, "test")
+    return out
+
+
+def _config(folder, prompts, **fields):
+    tiny = {"world.pipeline": folder, "world.train_prompts": prompts, "world.test_prompts": prompts, "world.resolution": RESOLUTION,
+            "world.clip_max_length": CLIP_LEN, "world.t5_max_length": T5_LEN, "world.dtype": "float32",
+            "sampler.num_steps": 3, "sampler.sde_window": (0, 2), "train.iterations": 2, "train.prompts_per_iteration": 2,
+            "train.group_size": 4, "train.minibatches": 1, "train.lora_rank": 4, "eval.at_start": False, "eval.every": 0,
+            "eval.num_steps": 2, "eval.batch_size": 2, "checkpoint.every": 1}
+    return load_config("configs/sd35m_pickscore.py", **{**tiny, **fields})
+
+
+def test_train_two_iterations_then_resume_continues_the_prompt_order(sd3, tmp_path, monkeypatch):
+    folder, _ = sd3
+    prompts = _prompt_dataset(tmp_path)
+    seen, sample_prompts = [], train.sample_prompts
+
+    def recording(job, state, it):  # the loop's own phase, its prompts noted
+        batch = sample_prompts(job, state, it)
+        seen.append(list(batch["prompts_local"]))
+        return batch
+
+    monkeypatch.setattr(train, "sample_prompts", recording)
+
+    run = tmp_path / "run"
+    out = main.run_job(_config(folder, prompts), str(run))
+    assert out["step"] == 2 and [e["step"] for e in out["evals"]] == [2] and os.path.isfile(run / "eval_000002.png")
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["reward"] < 0 for r in rows if "reward" in r] == [True, True]  # minus JPEG kilobytes
+    uninterrupted = list(seen)
+    assert len(uninterrupted) == 2 and all(len(b) == 2 * 4 for b in uninterrupted)
+    reader = datasets.PromptReader(datasets.PromptDataset(prompts, "train"), 2, seed=0)
+    assert [[p["prompt"] for p in b[::4]] for b in uninterrupted] == [[p["prompt"] for p in next(reader)] for _ in range(2)]
+
+    resumed_dir = tmp_path / "resumed"  # the run as if killed after iteration 1: only its first checkpoint
+    shutil.copytree(run, resumed_dir)
+    shutil.rmtree(resumed_dir / "checkpoints" / "2")
+    seen.clear()
+    main.run_job(_config(folder, prompts), str(resumed_dir))
+    resumed = list(seen)
+    assert [b["prompt"] for b in resumed[0]] == [b["prompt"] for b in uninterrupted[1]]  # the same prompt order
+    a, b = (checkpoint.Checkpointer(str(d / "checkpoints")) for d in (run, resumed_dir))
+    try:
+        sa, sb = a.restore(2, None)[0], b.restore(2, None)[0]
+    finally:
+        a.close(), b.close()
+    for x, y in zip(jax.tree_util.tree_leaves(sa["params"]), jax.tree_util.tree_leaves(sb["params"])):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # same prompts, same noise: bit-equal
+
