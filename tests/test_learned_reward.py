@@ -96,8 +96,11 @@ def test_mirror_average_is_the_mean_of_the_two_views_and_is_mirror_invariant():
     ids, mask = text.tokenize(tokenizer, [shapes.format_prompt(q) for q in specs], 10)
     ids_m, mask_m = text.tokenize(tokenizer, [shapes.format_prompt(q) for q in mirrored_specs], 10)
     model = learned.LearnedReward(len(tokenizer), width=16, heads=2, mirror_ids=tuple(tokenizer.convert_tokens_to_ids(["left", "right"])))
-    params = model.init(jax.random.PRNGKey(0), images[:1], ids[:1], mask[:1], True)["params"]
-    apply = lambda x, i, m, **kw: np.asarray(model.apply({"params": params}, x, i, m, True, **kw)[0])  # noqa: E731
+    params = jax.jit(model.init, static_argnums=4)(jax.random.PRNGKey(0), images[:1], ids[:1], mask[:1], True)["params"]
+    jitted = jax.jit(model.apply, static_argnums=4, static_argnames="mirror")  # eager dispatch op by op took ~60 s
+
+    def apply(x, i, m, **kw):
+        return np.asarray(jitted({"params": params}, x, i, m, True, **kw)[0])
     one, other = apply(images, ids, mask, mirror=False), apply(images[:, :, ::-1], ids_m, mask_m, mirror=False)
     # The one- and two-view programs run batches of 6 and 12, so float32 sums may be ordered differently: the net has
     # ~3,000 reduced terms and elementwise ops (convs and matmuls sum K = 2,429, sums 352, 186 elementwise; jaxpr), so the
