@@ -5,6 +5,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import runpy  # noqa: E402
+import shutil  # noqa: E402
 
 import tempfile  # noqa: E402
 
@@ -20,6 +21,25 @@ import pytest  # noqa: E402
 
 from flowrl_jax.models import build_mmdit  # noqa: E402
 from flowrl_jax.config_lib import model_config  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smoke_base(tmp_path_factory):
+    """A 6-step smoke pretrain workdir: the base model of the train, method and asset tests. Built once per test run
+    (~60 s): pytest-xdist's workers share it through a lock in the run's common temp folder; read-only once written."""
+    from filelock import FileLock
+
+    from flowrl_jax import main
+
+    basetemp = tmp_path_factory.getbasetemp()
+    root = basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp  # xdist: pytest-N/popen-gwK
+    workdir = root / "smoke_base"
+    with FileLock(str(root / "smoke_base.lock")):
+        if not (workdir / "COMPLETE").exists():
+            shutil.rmtree(workdir, ignore_errors=True)  # a worker that died half-way
+            main.run_job(load_config("configs/pretrain_shapes.py", "smoke", **{"pretrain.eval_every": 0}), str(workdir))
+            (workdir / "COMPLETE").touch()
+    return str(workdir)
 
 
 @pytest.fixture(scope="session")

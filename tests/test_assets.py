@@ -30,11 +30,10 @@ def _shipped(name):
 
 
 @pytest.fixture(scope="module")
-def smoke_asset(tmp_path_factory):
-    """A 6-step pretrain run exported as asset 'smoke' into a temporary asset folder."""
+def smoke_asset(tmp_path_factory, smoke_base):
+    """The smoke pretrain run (conftest) exported as asset 'smoke' into a temporary asset folder."""
     root = tmp_path_factory.mktemp("assets")
-    workdir = str(root / "pretrain")
-    main.run_job(load_config("configs/pretrain_shapes.py", "smoke", **{"pretrain.eval_every": 0}), workdir)
+    workdir = smoke_base
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(assets, "ASSET_DIR", str(root / "shipped"))
         table = main.run_job(load_config("configs/export_shapes32.py", **{"export.workdir": workdir, "export.name": "smoke",

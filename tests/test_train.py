@@ -21,12 +21,10 @@ TINY = {"sampler.num_steps": 3, "train.iterations": 4, "train.prompts_per_iterat
         "eval.per_category": 1, "eval.num_steps": 2, "eval.batch_size": 8, "checkpoint.every": 1}
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """A 6-step smoke pretrain workdir: the base model of these runs."""
-    workdir = str(tmp_path_factory.mktemp("base"))
-    main.run_job(load_config("configs/pretrain_shapes.py", "smoke", **{"pretrain.eval_every": 0}), workdir)
-    return workdir
+@pytest.fixture
+def base(smoke_base):
+    """The smoke pretrain workdir (conftest): the base model of these runs."""
+    return smoke_base
 
 
 def _run(base_workdir, workdir, **fields):

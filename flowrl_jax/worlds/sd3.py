@@ -67,6 +67,7 @@ class SD3World:
         self.pipe, params = load_sd3_pipeline(w.pipeline, dtype=jnp.dtype(w.dtype), param_dtype=jnp.dtype(w.param_dtype),
                                               clip_max_length=w.clip_max_length, t5_max_length=w.t5_max_length)
         self.latent_shape(1)  # the resolution fits the VAE and the patch size (ValueError otherwise)
+        self._decode = jax.jit(self.pipe.decode)  # called on the host's rollouts too (score): one program, not op by op
         return self.pipe.dit, params
 
     def tokenize(self, prompts):
@@ -83,7 +84,7 @@ class SD3World:
         return self.pipe.latent_shape(batch, self.world_cfg.resolution)
 
     def decode(self, frozen, x):
-        return self.pipe.decode(frozen["vae"], x)
+        return self._decode(frozen["vae"], x)
 
     # ---------------------------------------------------------------------------------------- prompts
     def sample_prompts(self, n: int, rng: np.random.Generator) -> np.ndarray:
