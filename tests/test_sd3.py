@@ -18,6 +18,7 @@ from flowrl_jax import checkpoint, main, train  # noqa: E402
 from flowrl_jax.data import datasets  # noqa: E402
 from flowrl_jax.models import convert  # noqa: E402
 from flowrl_jax.models.sd3 import load_sd3_pipeline  # noqa: E402
+from flowrl_jax.worlds.sd3 import SD3World  # noqa: E402
 from tests.conftest import load_config  # noqa: E402
 
 WORDS = ["a", "photo", "of", "red", "blue", "green", "cat", "dog", "dogs", "on", "the", "table", "two", "circle"]
@@ -185,3 +186,24 @@ def test_train_two_iterations_then_resume_continues_the_prompt_order(sd3, tmp_pa
     for x, y in zip(jax.tree_util.tree_leaves(sa["params"]), jax.tree_util.tree_leaves(sb["params"])):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # same prompts, same noise: bit-equal
 
+
+
+def test_text_cache_equals_encoding_on_the_fly(sd3, tmp_path):
+    folder, _ = sd3
+    prompts = _prompt_dataset(tmp_path)
+    worlds_ = {cached: SD3World(_config(folder, prompts, **{"world.text_cache": cached})) for cached in (False, True)}
+    loaded = {cached: w.load()[1] for cached, w in worlds_.items()}
+    assert set(loaded[True]["text"]) == {"tokens", "pooled"} and "t5" in loaded[False]["text"]  # the encoders are dropped
+    assert loaded[True]["text"]["tokens"].shape == (len(PROMPTS) + 1, CLIP_LEN + T5_LEN, 32)  # 6 prompts + ""
+    rows = [{"prompt": p} for p in (PROMPTS[4], PROMPTS[0], PROMPTS[4])]
+    out = {}
+    for cached, world in worlds_.items():
+        ids, mask = world.tokenize(rows)
+        assert ids.shape == ((3, 1) if cached else (3, 2 * CLIP_LEN + T5_LEN))
+        out[cached] = jax.jit(world.encode)(loaded[cached], ids, mask) + jax.jit(world.null_condition, static_argnums=1)(loaded[cached], 3)
+    # The same float32 encoders on the same ids; only the batch differs (cache batches of 32 vs these 3 rows), which may
+    # reorder a matmul's sums over K <= 48 terms: <= 48 eps ~ 6e-6 relative; 1e-5 bounds it, a wrong row is O(1).
+    for a, b in zip(out[True], out[False]):
+        assert a.shape == b.shape and _rel_err(np.asarray(a), np.asarray(b)) < 1e-5
+    with pytest.raises(ValueError, match="not in the text cache"):
+        worlds_[True].tokenize([{"prompt": "a prompt of neither set"}])

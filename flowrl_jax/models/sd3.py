@@ -102,8 +102,12 @@ class SD3Pipeline:
 
     def sample(self, params: dict, ids: jax.Array, noise: jax.Array, num_steps: int = 28, cfg: float = 7.0, shift: float | None = None):
         """Euler ODE latents [B, h, w, C] from `noise` for the prompts `ids` (CFG against the empty prompt)."""
-        cond = self.encode(params["text"], ids)
-        velocity = rollout.guided(self.velocity_fn(params["dit"]), cond, self.null_condition(params["text"], ids.shape[0]), cfg)
+        cond, null = self.encode(params["text"], ids), self.null_condition(params["text"], ids.shape[0])
+        return self.sample_from(params["dit"], cond, null, noise, num_steps, cfg, shift)
+
+    def sample_from(self, dit_params, cond, null, noise: jax.Array, num_steps: int = 28, cfg: float = 7.0, shift: float | None = None):
+        """`sample` from encoded conditionings (text_tokens, pooled) and the null one."""
+        velocity = rollout.guided(self.velocity_fn(dit_params), cond, null, cfg)
         return rollout.sample(velocity, noise, schedule.sigmas(num_steps, self.shift if shift is None else shift))
 
 

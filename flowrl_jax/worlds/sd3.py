@@ -11,6 +11,13 @@ the source file itself (JSONL or one prompt per line). The train prompts are rea
 prompts, and the reader's position is saved in the checkpoint so a resumed run continues the same order.
 Rewards are `rewards.REWARDS` by name (image rewards: any world's). The text encoders and the VAE are
 frozen (`frozen = {"dit", "text", "vae"}`).
+
+Text encoding, a config choice (`world.text_cache`): on the fly (False: `frozen["text"]` holds CLIP-L/G and
+T5, every rollout encodes its rows), or cached (True: every train and test prompt and the empty one are
+encoded once at load, `frozen["text"]` becomes that table {"tokens" [N, L, D], "pooled" [N, P]}, the ids are
+row numbers [B, 1] and `encode` is a gather). The cache trades the encoders' memory (T5-XXL alone is 4.76B
+parameters, 9.5 GB in bf16) and their per-iteration FLOPs for N x (Lc + Lt) x D values: 1.7 MB per prompt at
+SD3.5's D = 4096, Lc = 77, Lt = 128 in bf16 (WORKSPACE_NOTES.md has the measured figures).
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ DEFAULTS = {
     "resolution": 512,       # pixels; latents are resolution / 8
     "clip_max_length": 77,   # CLIP tokens (diffusers: the tokenizer's model_max_length, 77)
     "t5_max_length": 256,    # T5 tokens (diffusers' default 256; flow_grpo uses 128)
+    "text_cache": False,     # encode every train/test prompt once at load and drop the text encoders (module doc)
     "dtype": "float32",      # compute dtype of every component ("bfloat16" on TPU / GPU)
     "param_dtype": "float32",
 }
@@ -68,17 +76,50 @@ class SD3World:
                                               clip_max_length=w.clip_max_length, t5_max_length=w.t5_max_length)
         self.latent_shape(1)  # the resolution fits the VAE and the patch size (ValueError otherwise)
         self._decode = jax.jit(self.pipe.decode)  # called on the host's rollouts too (score): one program, not op by op
+        if w.text_cache:
+            params = {**params, "text": self._encode_all(params["text"])}
         return self.pipe.dit, params
 
+    def _encode_all(self, text_params, batch_size: int = 32) -> dict:
+        """The text cache: every distinct train/test prompt and "" encoded once -> {"tokens", "pooled"} (host)."""
+        rows = [self.train_prompts[i] for i in range(len(self.train_prompts))] + self.test_prompts
+        prompts = sorted({r["prompt"] for r in rows} | {""})
+        self._row_of = {p: i for i, p in enumerate(prompts)}
+        encode = jax.jit(self.pipe.encode)
+        tokens, pooled = [], []
+        for start in tqdm(range(0, len(prompts), batch_size), desc="text cache", leave=False):
+            chunk = prompts[start : start + batch_size]
+            ids = self.pipe.tokenize(chunk + [""] * (batch_size - len(chunk)))  # one compiled shape
+            t, p = encode(text_params, jnp.asarray(ids))
+            tokens.append(np.asarray(t)[: len(chunk)])
+            pooled.append(np.asarray(p)[: len(chunk)])
+        dtype = jnp.dtype(self.world_cfg.dtype)
+        return {"tokens": np.concatenate(tokens).astype(dtype), "pooled": np.concatenate(pooled).astype(dtype)}
+
     def tokenize(self, prompts):
-        ids = self.pipe.tokenize([p["prompt"] for p in prompts])
-        return ids, np.ones(ids.shape, bool)  # SD3 attends to every token, pads included (diffusers)
+        """-> ids, mask [B, Lc + Lc + Lt] (the three tokenizers' ids side by side), or with the text cache the
+        prompts' rows [B, 1]. The mask is all ones: SD3 attends to every token, pads included (diffusers)."""
+        texts = [p["prompt"] for p in prompts]
+        if self.world_cfg.text_cache:
+            missing = [t for t in texts if t not in self._row_of]
+            if missing:
+                raise ValueError(f"prompts not in the text cache (world.text_cache caches the train and test sets): {missing[:3]}")
+            ids = np.asarray([[self._row_of[t]] for t in texts], np.int32)
+        else:
+            ids = self.pipe.tokenize(texts)
+        return ids, np.ones(ids.shape, bool)
 
     def encode(self, frozen, ids, mask):
-        return self.pipe.encode(frozen["text"], ids)
+        """-> (text_tokens [B, Lc + Lt, D], pooled [B, P]) float32: the encoders, or the cache's rows."""
+        text = frozen["text"]
+        if self.world_cfg.text_cache:
+            return jnp.take(text["tokens"], ids[:, 0], axis=0).astype(jnp.float32), jnp.take(text["pooled"], ids[:, 0], axis=0).astype(jnp.float32)
+        return self.pipe.encode(text, ids)
 
     def null_condition(self, frozen, batch: int):
-        return self.pipe.null_condition(frozen["text"], batch)
+        """The empty prompt's conditioning, `batch` rows (diffusers' default negative prompt)."""
+        null = self.encode(frozen, jnp.asarray(self.tokenize([{"prompt": ""}])[0]), None)
+        return jax.tree_util.tree_map(lambda u: jnp.broadcast_to(u, (batch,) + u.shape[1:]), null)
 
     def latent_shape(self, batch: int):
         return self.pipe.latent_shape(batch, self.world_cfg.resolution)
@@ -115,7 +156,11 @@ class SD3World:
             return {"entry": {"table": {}}, "scalars": {}, "text": "no test prompts (config.world.test_prompts)"}
         if self._sampler is None:
             shift = self.config.sampler.shift
-            self._sampler = jax.jit(lambda p, ids, noise: self.pipe.decode(p["vae"], self.pipe.sample(p, ids, noise, e.num_steps, e.cfg, shift)))
+            def sample(p, ids, noise):
+                cond, null = self.encode(p, ids, None), self.null_condition(p, ids.shape[0])
+                return self.pipe.decode(p["vae"], self.pipe.sample_from(p["dit"], cond, null, noise, e.num_steps, e.cfg, shift))
+
+            self._sampler = jax.jit(sample)
             self._reward_fn = rewards.build(self.rewards)
         params = {"dit": dit_params, "text": frozen["text"], "vae": frozen["vae"]}
         rows = [p for p in self.test_prompts for _ in range(e.samples_per_prompt)]
@@ -124,7 +169,7 @@ class SD3World:
         for i, start in enumerate(tqdm(range(0, len(rows), e.batch_size), desc="eval", leave=False)):
             chunk = rows[start : start + e.batch_size]
             pad = e.batch_size - len(chunk)  # one compiled shape
-            ids = jnp.asarray(self.pipe.tokenize([r["prompt"] for r in chunk] + [""] * pad))
+            ids = jnp.asarray(self.tokenize(chunk + [{"prompt": ""}] * pad)[0])
             noise = jax.random.normal(jax.random.fold_in(rng, i), self.latent_shape(e.batch_size))
             out = np.asarray(self._sampler(params, ids, noise))[: len(chunk)]
             images.append(out)
