@@ -111,7 +111,11 @@ class Checkpointer:
         return self._restore(step, template)
 
     def _restore(self, step: int, template: Any) -> tuple[Any, dict]:
-        target = _local(self.manager.item_metadata(step)["state"]) if template is None else _abstract(template)
+        if template is None:  # the saved tree's own metadata (the manager's item_metadata is empty under multi-process)
+            with ocp.StandardCheckpointer() as reader:
+                target = _local(reader.metadata(os.path.join(str(self.directory), str(step), "state")).item_metadata)
+        else:
+            target = _abstract(template)
         state = ocp.args.StandardRestore(target)
         out = self.manager.restore(step, args=ocp.args.Composite(state=state, meta=ocp.args.JsonRestore()))
         return out["state"], dict(out["meta"])

@@ -11,6 +11,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from flowrl_jax import parallel
 from flowrl_jax.config_lib import ConfigError, require
 
 # job name -> (module with run(config, workdir), fields it requires)
@@ -93,6 +94,7 @@ def main(argv) -> None:
     if _CONFIG.value is None:
         _fail("--config is required, e.g. --config configs/inspect_mmdit.py")
     try:
+        parallel.maybe_initialize_distributed(_CONFIG.value.get("distributed", "auto"))  # before any job touches JAX
         run_job(_CONFIG.value, _WORKDIR.value)
     except ConfigError as e:
         _fail(str(e))

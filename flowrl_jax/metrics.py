@@ -16,17 +16,27 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 
+def is_writer() -> bool:
+    """Whether this process writes the run's files (metrics, images, reports): process 0 of a multi-process run."""
+    import jax
+
+    return jax.process_index() == 0
+
+
 class MetricWriter:
-    """Appends `{"step", "time", **scalars}` lines to metrics.jsonl and mirrors them to TensorBoard."""
+    """Appends `{"step", "time", **scalars}` lines to metrics.jsonl and mirrors them to TensorBoard (process 0 only)."""
 
     def __init__(self, workdir: str):
         from tensorboardX import SummaryWriter
 
-        os.makedirs(workdir, exist_ok=True)
-        self.path = os.path.join(workdir, "metrics.jsonl")
-        self.tb = SummaryWriter(os.path.join(workdir, "tb"))
+        self.path, self.tb = os.path.join(workdir, "metrics.jsonl"), None
+        if is_writer():
+            os.makedirs(workdir, exist_ok=True)
+            self.tb = SummaryWriter(os.path.join(workdir, "tb"))
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        if self.tb is None:
+            return
         values = {k: float(v) for k, v in values.items()}
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": int(step), "time": time.time(), **values}) + "\n")
@@ -35,7 +45,8 @@ class MetricWriter:
         self.tb.flush()
 
     def close(self) -> None:
-        self.tb.close()
+        if self.tb is not None:
+            self.tb.close()
 
 
 def read_metrics(workdir: str) -> list[dict]:
@@ -54,7 +65,9 @@ def to_uint8(images) -> np.ndarray:
 def save_grid(images, path: str, rows: int | None = None, labels: Sequence[str] | None = None, scale: int = 3,
               row_titles: Sequence[str] | None = None) -> str:
     """Tile images [N, H, W, 3] in [-1, 1] into a PNG (upscaled `scale`x, nearest); optional
-    per-image captions below each cell and a title at the start of each row."""
+    per-image captions below each cell and a title at the start of each row. Process 0 writes; the others return."""
+    if not is_writer():
+        return path
     images = to_uint8(images)
     n, h, w, _ = images.shape
     rows = rows or int(math.ceil(math.sqrt(n)))
@@ -78,7 +91,9 @@ def save_grid(images, path: str, rows: int | None = None, labels: Sequence[str] 
 
 def plot_report(workdir: str, path: str) -> str:
     """report.png: training reward and eval scores (overall strict and partial score) against the
-    step (left) and the training wall-clock (right), from workdir/metrics.jsonl."""
+    step (left) and the training wall-clock (right), from workdir/metrics.jsonl. Process 0 writes."""
+    if not is_writer():
+        return path
     import matplotlib
 
     matplotlib.use("Agg")

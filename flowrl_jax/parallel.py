@@ -93,6 +93,15 @@ def init_sharded(init_fn: Callable[[jax.Array], Any], rng: jax.Array, mesh: jax.
     return params, shardings
 
 
+def put_global(tree: Any, shardings: Any) -> Any:
+    """Host values (numpy, or arrays on one local device) -> global arrays with `shardings`, each process
+    placing its own devices' pieces. Every process must pass the same values (base weights, replicated state)."""
+    def put(x, sharding):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    return jax.tree_util.tree_map(put, tree, shardings)
+
+
 def batch_sharding(mesh: jax.sharding.Mesh, axes: Sequence[str] = BATCH_AXES) -> NamedSharding:
     """Leading (batch) axis split over the data-parallel axes present in the mesh."""
     present = tuple(a for a in axes if a in mesh.shape)
@@ -119,13 +128,27 @@ def process_batch_slice(global_batch_size: int) -> slice:
     return slice(jax.process_index() * per, (jax.process_index() + 1) * per)
 
 
-def maybe_initialize_distributed(enabled: bool | str = "auto") -> None:
-    """`jax.distributed.initialize()` on multi-host runs (TPU pods find their peers by themselves).
+CLUSTER_ENV = ("TPU_WORKER_HOSTNAMES", "JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")
 
-    `"auto"` initializes when the standard cluster environment variables are present."""
-    cluster_env = ("TPU_WORKER_HOSTNAMES", "JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")
-    if enabled is True or (enabled == "auto" and any(os.environ.get(k) for k in cluster_env)):
-        jax.distributed.initialize()
+
+def maybe_initialize_distributed(enabled: bool | str = "auto") -> None:
+    """`jax.distributed.initialize()` on multi-process runs, once, before anything touches a JAX backend.
+
+    `"auto"` initializes when a cluster environment is present (TPU pods, SLURM, Open MPI find their peers
+    themselves); by hand, `JAX_COORDINATOR_ADDRESS=host:port JAX_NUM_PROCESSES=n JAX_PROCESS_ID=i` on every
+    process (CPU processes exchange collectives through gloo, JAX's default). A backend already started is a
+    RuntimeError saying so."""
+    if jax.distributed.is_initialized() or not (enabled is True or (enabled == "auto" and any(os.environ.get(k) for k in CLUSTER_ENV))):
+        return
+    kwargs = {name: int(os.environ[var]) for name, var in (("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID"))
+              if os.environ.get(var)}
+    try:
+        jax.distributed.initialize(**kwargs)
+    except RuntimeError as e:
+        if "before any JAX" in str(e):
+            raise RuntimeError("jax.distributed.initialize() came after a JAX backend was started in this process: "
+                               "initialize first (flowrl_jax.main does, before the job runs)") from None
+        raise
 
 
 def local_rows(x: jax.Array) -> np.ndarray:

@@ -137,7 +137,7 @@ def reward_gradient_fn(reward_model, mesh) -> Callable:
     """`(x [B, H, W, C], prompt rows) -> d R / d x` of the world's reward model (jit), its params replicated
     on `mesh` and the prompt tokens sharded like the batch."""
     apply, params, tokenize = reward_model
-    params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    params = parallel.put_global(params, jax.tree_util.tree_map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), params))
     grad = jax.jit(jax.grad(lambda x, p, i, m: apply(p, x, i, m).sum()))
     return lambda x, prompts: grad(x, params, *parallel.shard_batch(tokenize(prompts), mesh))
 
@@ -173,7 +173,7 @@ class Steps:
             reward_apply, reward_params, self._reward_tokenize = world.reward_model()
             base = {**base, "reward": reward_params}
         frozen_shardings = parallel.tree_shardings(base, mesh, rules, min_size)
-        self.frozen = jax.device_put(base, frozen_shardings)
+        self.frozen = parallel.put_global(base, frozen_shardings)
 
         def init_state(r) -> TrainState:
             params = policy.init(self.frozen["dit"], r)

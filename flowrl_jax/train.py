@@ -167,7 +167,7 @@ def sample_prompts(job: Job, state: TrainState, it: int) -> dict:
     else:
         host_rng = np.random.default_rng([job.config.seed, it])
         if cur.enabled:
-            drawn = curriculum.draw(jax.device_get(state.curriculum), t_cfg.prompts_per_iteration, host_rng, cur)
+            drawn = curriculum.draw(jax.tree_util.tree_map(parallel.to_host, state.curriculum), t_cfg.prompts_per_iteration, host_rng, cur)
         else:
             drawn = job.world.sample_prompts(t_cfg.prompts_per_iteration, host_rng)
         local = [job.world.train_prompts[i] for i in drawn for _ in range(t_cfg.group_size)][job.local]
@@ -184,11 +184,14 @@ def rollout(job: Job, state: TrainState, batch: dict, it: int):
 
 
 def score(job: Job, ro, batch: dict, it: int) -> dict:
-    """Rewards of this process's decoded samples (host), gathered into global arrays with the group ids."""
+    """Rewards of this process's decoded samples (host), gathered into global arrays with the group ids
+    (`reward` and `parts`: every process's rows on the host, for the logs)."""
     images = parallel.local_rows(job.world.decode(job.steps.frozen, ro.final))
     reward, parts = job.reward_fn(images, batch["prompts_local"])
     _finite_or_stop({"reward": reward}, it + 1, job.ckpt)
-    return {"reward": reward, "parts": parts, "rewards": parallel.global_from_local(reward, job.mesh),
+    rewards = parallel.global_from_local(reward, job.mesh)
+    every = {n: parallel.to_host(parallel.global_from_local(v, job.mesh)) for n, v in parts.items()}  # all processes' rows, for logs
+    return {"reward": parallel.to_host(rewards), "parts": every, "rewards": rewards,
             "group_ids": parallel.global_from_local(batch["group_ids"][job.local], job.mesh)}
 
 
@@ -201,13 +204,13 @@ def assign_credit(job: Job, state: TrainState, ro, cond, null, batch: dict, scor
     state = state.replace(credit=credit_state)
     if job.config.curriculum.enabled:
         by_group = parallel.to_host(scored["rewards"]).reshape(t_cfg.prompts_per_iteration, t_cfg.group_size)
-        updated = curriculum.update(jax.device_get(state.curriculum), batch["drawn"], by_group, job.config.curriculum)
-        state = state.replace(curriculum=jax.device_put(updated, steps.shardings.curriculum))
+        updated = curriculum.update(jax.tree_util.tree_map(parallel.to_host, state.curriculum), batch["drawn"], by_group, job.config.curriculum)
+        state = state.replace(curriculum=parallel.put_global(updated, steps.shardings.curriculum))
     if it == job.start_step or it + 1 == t_cfg.iterations:
         for stem, grid in job.credit.debug_images(ctx, extras).items():
             if jax.process_index() == 0:
                 metrics.save_grid(path=os.path.join(job.workdir, f"{stem}_{it + 1:06d}.png"), **grid)
-    return state, adv, np.asarray(keep)
+    return state, adv, parallel.to_host(keep)
 
 
 def update(job: Job, state: TrainState, data: dict, keep: np.ndarray, it: int) -> tuple[TrainState, dict, int]:
@@ -234,7 +237,8 @@ def run_eval(job: Job, state: TrainState, step: int) -> dict:
     entry = {"step": step, "wall_s": job.history["wall_s"], **out["entry"]}
     job.writer.scalars(step, {**out["scalars"], "wall_s": job.history["wall_s"]})
     job.history["evals"].append(entry)
-    tqdm.write(out["text"])
+    if metrics.is_writer():
+        tqdm.write(out["text"])
     return entry
 
 
@@ -301,7 +305,8 @@ def run(config, workdir: str | None) -> dict:
     t_cfg, start = config.train, job.start_step
     if start == 0 and config.eval.at_start and not job.history["evals"]:
         run_eval(job, state, 0)
-    bar = tqdm(range(start, t_cfg.iterations), initial=start, total=t_cfg.iterations, desc=config.objective.name, dynamic_ncols=True)
+    bar = tqdm(range(start, t_cfg.iterations), initial=start, total=t_cfg.iterations, desc=config.objective.name, dynamic_ncols=True,
+               disable=not metrics.is_writer())  # logs from process 0
     stopped = None
     try:
         with StopSignal() as stop:
@@ -323,11 +328,11 @@ def finish(job: Job, state: TrainState, stopped: str | None) -> dict:
     history = job.history
     result = {"step": int(state.step), "evals": history["evals"], "stopped": stopped,
               "wall_s": history["wall_s"], "first_iteration_s": history["first_iteration_s"]}
-    if history["evals"]:
+    if history["evals"] and metrics.is_writer():
         with open(os.path.join(job.workdir, "eval.json"), "w") as f:
             json.dump({"base": job.config.world.get("base"), "evals": history["evals"]}, f, indent=2)
         metrics.plot_report(job.workdir, os.path.join(job.workdir, "report.png"))
-    if len(history["evals"]) >= 2 and history["evals"][0]["step"] == 0:
+    if len(history["evals"]) >= 2 and history["evals"][0]["step"] == 0 and metrics.is_writer():
         print(before_after(history["evals"][0], history["evals"][-1], job.world.eval_name, job.world.eval_rows))
     return result
 

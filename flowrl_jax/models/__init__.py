@@ -27,7 +27,7 @@ def create_params(model_config, mesh, rules, min_fsdp_size: int, rng):
         model, host_params = convert.load_diffusers(model_config.weights, dtype=model.dtype, param_dtype=model.param_dtype,
                                                     remat=model.remat, lora_alpha=model.lora_alpha)
         shardings = parallel.tree_shardings(host_params, mesh, rules, min_fsdp_size)
-        return model, jax.device_put(host_params, shardings), shardings
+        return model, parallel.put_global(host_params, shardings), shardings
     dummy = model.dummy_inputs()
     params, shardings = parallel.init_sharded(lambda r: model.init(r, *dummy)["params"], rng, mesh, rules, min_fsdp_size)
     return model, params, shardings
