@@ -5,6 +5,7 @@ import os
 import pytest
 
 from flowrl_jax.data import datasets, shapes
+from flowrl_jax.worlds import shapes as world_shapes
 
 GENEVAL = [
     {"tag": "single_object", "include": [{"class": "cat", "count": 1}], "prompt": "a photo of a cat"},
@@ -60,6 +61,14 @@ def test_shipped_shapes_sets(tmp_path, split):
     assert n == len(expected)
     assert list(datasets.PromptDataset(tmp_path, split)) == expected
     assert list(datasets.PromptDataset(expected)) == expected
+    assert world_shapes.load_prompt_set(str(tmp_path), split) == expected  # the shapes world reads the dataset too
+
+
+def test_shapes_world_refuses_rows_without_its_fields(tmp_path):
+    (tmp_path / "p.txt").write_text("a cat\n")
+    datasets.convert(str(tmp_path / "p.txt"), tmp_path / "d", "train")
+    with pytest.raises(ValueError, match=r"rows without \['category', 'spec'\]"):
+        world_shapes.load_prompt_set(str(tmp_path / "d"), "train")
 
 
 def test_reader_is_deterministic_per_seed(tmp_path):

@@ -18,14 +18,26 @@ import jax
 import numpy as np
 
 from flowrl_jax import assets, evaluate, rewards
-from flowrl_jax.data import shapes
+from flowrl_jax.data import datasets, shapes
 from flowrl_jax.rewards import learned
 
-DEFAULTS = {"base": "shapes32", "train_prompts": "", "test_prompts": ""}  # prompt files: "" = the shipped train / test sets
+DEFAULTS = {"base": "shapes32", "train_prompts": "", "test_prompts": ""}  # prompt sets: "" = the shipped train / test sets
 
 
 def load_prompt_set(path: str, split: str) -> list[dict]:
-    return shapes.load_prompt_file(path) if path else shapes.load_prompts(split)
+    """A JSONL prompt file, an ArrayRecord prompt dataset (a folder with `<split>.array_record`, or the file;
+    `python -m flowrl_jax.data.datasets`), or "" for the shipped set -> rows {"prompt", "category", "spec"}."""
+    if not path:
+        return shapes.load_prompts(split)
+    if path.endswith(".jsonl"):
+        return shapes.load_prompt_file(path)
+    ds = datasets.PromptDataset(path, split)
+    rows = [ds[i] for i in range(len(ds))]
+    missing = sorted({k for r in rows for k in ("prompt", "category", "spec") if k not in r})
+    if missing:
+        raise ValueError(f"prompt dataset {path} ({split}) has rows without {missing}: the shapes world needs "
+                         '{"prompt", "category", "spec"} rows (convert a shapes JSONL set)')
+    return rows
 
 
 class ShapesWorld:
