@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flowrl_jax import parallel
+from flowrl_jax import metrics, parallel
 from flowrl_jax.models import create_params
 
 
@@ -58,7 +58,7 @@ def run(config, workdir: str | None) -> dict:
     inputs = (jax.random.normal(keys[0], x.shape), jax.random.uniform(keys[1], (b,)),
               jax.random.normal(keys[2], txt.shape), jax.random.normal(keys[3], pooled.shape))
     data = parallel.batch_sharding(mesh)
-    inputs = parallel.shard_batch(inputs, mesh)
+    inputs = parallel.shard_batch(jax.tree_util.tree_map(lambda a: np.asarray(a)[parallel.process_batch_slice(b)], inputs), mesh)
     forward = jax.jit(lambda p, *a: model.apply({"params": p}, *a), in_shardings=(shardings, data, data, data, data), out_shardings=data)
     t0 = time.perf_counter()
     compiled = forward.lower(params, *inputs).compile()
@@ -68,11 +68,14 @@ def run(config, workdir: str | None) -> dict:
     v = jax.block_until_ready(compiled(params, *inputs))
     forward_s = time.perf_counter() - t0
 
+    v = parallel.to_host(v)  # every process's rows
     report = summarize(params)
     report.update(mesh=dict(mesh.shape), devices=jax.device_count(), platform=jax.devices()[0].platform,
                   init_s=init_s, compile_s=compile_s, forward_s=forward_s, batch_size=b,
                   output_shape=list(v.shape), output_std=float(jnp.std(v)), output_finite=bool(np.isfinite(np.asarray(v)).all()))
 
+    if not metrics.is_writer():  # process 0 reports
+        return report
     print(f"MMDiT {_human(report['total_params'])} params on mesh {report['mesh']} ({report['platform']}, {report['devices']} devices)")
     for name, n in report["per_module"].items():
         if not name.startswith("transformer_blocks_") or name in ("transformer_blocks_0", f"transformer_blocks_{model.num_layers - 1}"):
