@@ -83,6 +83,8 @@ def run(config, workdir: str | None) -> dict:
         prompts = prompts[: cfg.max_prompts]
     result = geneval(pipe, params, prompts, jax.random.PRNGKey(config.seed), cfg.samples_per_prompt, cfg.batch_size,
                      cfg.num_steps, cfg.cfg, cfg.shift, progress=True)
+    if not metrics.is_writer():  # process 0 reports and writes
+        return result["table"]
     print(f"GenEval-style table: {info['name']} on {cfg.split} ({len(prompts)} prompts x {cfg.samples_per_prompt}, "
           f"ODE {cfg.num_steps} steps, cfg {cfg.cfg}, shift {cfg.shift})")
     print(format_table(result["table"]))
