@@ -1,5 +1,4 @@
 """The DiT and its weights: `mmdit` (model), `convert` (diffusers weights), `lora` (adapters)."""
-import jax
 import jax.numpy as jnp
 
 from flowrl_jax import parallel

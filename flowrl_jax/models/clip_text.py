@@ -24,8 +24,6 @@ Parameter paths mirror the transformers state_dict (`layers_3/self_attn/q_proj/k
 from __future__ import annotations
 
 import functools
-import json
-import os
 import re
 from typing import Any, Mapping
 
@@ -209,9 +207,5 @@ def from_state_dict(model: CLIPTextEncoder, state_dict: Mapping[str, Any]) -> di
 def load(folder: str, **overrides) -> tuple[CLIPTextEncoder, dict]:
     """A transformers CLIP text folder (`config.json` + safetensors, sharded or not) -> (model, params); `overrides`
     set module fields such as `dtype`. No torch import."""
-    config_path = os.path.join(folder, "config.json")
-    if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{config_path} not found: point to a transformers CLIPTextModelWithProjection folder")
-    with open(config_path) as f:
-        model = config_from_json(json.load(f), **overrides)
-    return model, from_state_dict(model, convert.read_weights(folder, "model"))
+    return convert.load_folder(folder, config_from_json, from_state_dict,
+                               "a transformers CLIPTextModelWithProjection folder", stem="model", **overrides)

@@ -210,14 +210,23 @@ def read_weights(folder: str, stem: str = "diffusion_pytorch_model") -> dict[str
     return state_dict
 
 
+def load_folder(path: str, build: Callable, to_params: Callable, what: str, subfolder: str = "",
+                stem: str = "diffusion_pytorch_model", **overrides) -> tuple[Any, dict]:
+    """(model, params) from a folder holding `config.json` + `<stem>*.safetensors` (sharded or not), or from a
+    pipeline folder holding it as `subfolder/`: `build(config dict, **overrides)`, then `to_params(model, state_dict)`.
+    No torch import. A missing config or weight file is a FileNotFoundError naming it and `what` was expected."""
+    nested = os.path.join(path, subfolder) if subfolder else ""
+    folder = nested if nested and os.path.isfile(os.path.join(nested, "config.json")) else path
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{config_path} not found: point to {what}")
+    with open(config_path) as f:
+        model = build(json.load(f), **overrides)
+    return model, to_params(model, read_weights(folder, stem))
+
+
 def load_diffusers(path: str, **model_overrides) -> tuple[MMDiT, dict]:
     """Load a diffusers SD3 transformer folder (`config.json` + `*.safetensors`, sharded or not; a
     pipeline folder's `transformer/` is found too) -> (model, params). No torch import."""
-    folder = os.path.join(path, "transformer") if os.path.isfile(os.path.join(path, "transformer", "config.json")) else path
-    config_path = os.path.join(folder, "config.json")
-    if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{config_path} not found: point to a diffusers SD3Transformer2DModel folder")
-    with open(config_path) as f:
-        model = mmdit_from_config(json.load(f), **model_overrides)
-    return model, from_state_dict(model, read_weights(folder))
-
+    return load_folder(path, mmdit_from_config, from_state_dict, "a diffusers SD3Transformer2DModel folder", "transformer",
+                       **model_overrides)

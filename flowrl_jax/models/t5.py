@@ -23,9 +23,7 @@ for `encoder.block.3.layer.1.DenseReluDense.wi_0.weight`), so `t5_key` is three 
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
 import re
 from typing import Any, Mapping
 
@@ -247,11 +245,5 @@ def load(path: str, **overrides) -> tuple[T5Encoder, dict]:
     """A transformers T5 encoder folder (config.json + model.safetensors, sharded or not; an SD3 pipeline
     folder's `text_encoder_3/` is found too) -> (model, params). `overrides` set module fields (dtype,
     param_dtype). No torch import."""
-    sub = os.path.join(path, "text_encoder_3")
-    folder = sub if os.path.isfile(os.path.join(sub, "config.json")) else path
-    config_path = os.path.join(folder, "config.json")
-    if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{config_path} not found: point to a transformers T5EncoderModel folder")
-    with open(config_path) as f:
-        model = config_from_json(json.load(f), **overrides)
-    return model, from_state_dict(model, convert.read_weights(folder, "model"))
+    return convert.load_folder(path, config_from_json, from_state_dict, "a transformers T5EncoderModel folder",
+                               "text_encoder_3", stem="model", **overrides)

@@ -19,8 +19,6 @@ conv `kernel [kh, kw, I, O]` is torch's `weight [O, I, kh, kw]`, a dense `kernel
 from __future__ import annotations
 
 import functools
-import json
-import os
 import re
 from typing import Any, Mapping, Sequence
 
@@ -356,10 +354,5 @@ def from_state_dict(model: AutoencoderKL, state_dict: Mapping[str, Any]) -> dict
 def load(path: str, **overrides) -> tuple[AutoencoderKL, dict]:
     """A diffusers VAE folder (`config.json` + `diffusion_pytorch_model.safetensors` or its sharded
     `.index.json`), or a pipeline folder holding `vae/` -> (model, params). No torch import."""
-    folder = os.path.join(path, "vae") if os.path.isfile(os.path.join(path, "vae", "config.json")) else path
-    config_path = os.path.join(folder, "config.json")
-    if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{config_path} not found: point to a diffusers AutoencoderKL folder or a pipeline folder with vae/")
-    with open(config_path) as f:
-        model = config_from_json(json.load(f), **overrides)
-    return model, from_state_dict(model, convert.read_weights(folder))
+    return convert.load_folder(path, config_from_json, from_state_dict,
+                               "a diffusers AutoencoderKL folder or a pipeline folder with vae/", "vae", **overrides)
