@@ -1,23 +1,28 @@
-"""Every method from the same base model, seed and wall-clock budget on the embedded world.
+"""Every method from the same base model at an equal wall-clock budget, several seeds, with confidence intervals.
 
-    python benchmarks/compare_methods.py [--budget_s 240] [--eval_every 8] [--per_category 35] [--methods flow_grpo,spatial]
-    python benchmarks/compare_methods.py --methods advantage_flow --merge     # rerun one, keep the others
+    python benchmarks/compare_methods.py --methods flow_grpo,flow_grpo_null --seeds 0,1,2 [--budget_s 300]
+    python benchmarks/compare_methods.py --report                  # only re-aggregate the runs already there
 
-Each method is its config (`configs/<method>.py`; `flow_grpo` is `configs/quickstart.py`; all start from
-`config_lib.embedded_train_config()`) run through the train job in its own workdir under `--workdir`, with
-`train.time_budget_s = budget_s` (training wall time; evals and the first, compiling iteration excluded)
-and evals every `eval_every` iterations on the first `per_category` test prompts of each category (the
-same prompts and eval noise for every method; ODE 20 steps, CFG 3, EMA weights), each also scored by the
-shipped learned reward. The base model is evaluated once. Reported per method: iterations done, seconds
-per iteration, the GenEval-style strict accuracy and partial score at the largest eval step every method
-reached (equal steps) and at the end of the budget (equal wall-clock), and the learned reward at the end.
-Writes `benchmarks/results/compare_methods.json`, prints the table (markdown), and draws
-`compare_methods.png` (eval score vs training wall-clock per method) and `path_variance.png` (V_t per
-step of Flow-GRPO vs lambda-GRPO, from their metrics.jsonl, with the budget).
+Each entry of `ENTRIES` is a config (`configs/<method>.py`, all from `config_lib.embedded_train_config()`)
+plus overrides; `<name>_null` entries are the null control (advantages shuffled within each group,
+`advantage.null_control`): the same run with the expected policy gradient at zero, so learning can be
+told from drift. Every run trains for `train.time_budget_s = budget_s` of training wall time (evals and
+the first, compiling iteration excluded) and is evaluated every `eval_every` iterations and at the end on
+the test prompts (`--per_category 0`: all 420, x `samples_per_prompt`), ODE 20 steps, CFG 3, EMA weights,
+with the same prompts and eval noise (`eval.noise_seed`) for every method and seed; the base model is
+evaluated once with the same prompts and noise, so each run's gain over it is paired.
+
+Each finished run is written at once to `<out>/runs/<name>/seed_<s>.json` (an existing one is kept unless
+`--rerun`), so a table can be filled over several sessions and merged. The report aggregates every run
+under `<out>/runs`: per entry the mean final gain over the base in strict accuracy and partial score, with a
+95% confidence interval over seeds (Student t, n - 1 degrees of freedom), and for entries with a null
+control the gain over it (Welch t). `<out>/compare_methods.{json,md,png}`: the table and eval strict
+against training wall-clock per entry (mean over seeds, band = min..max).
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import platform
@@ -26,98 +31,159 @@ import shutil
 import time
 
 import numpy as np
+from scipy import stats as scipy_stats
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = {"flow_grpo": "configs/quickstart.py", "spatial": "configs/spatial.py", "stepwise": "configs/stepwise.py",
            "tp_grpo": "configs/tp_grpo.py", "lambda_grpo": "configs/lambda_grpo.py", "adagrpo": "configs/adagrpo.py",
            "lc_grpo": "configs/lc_grpo.py", "advantage_flow": "configs/advantage_flow.py", "nft": "configs/nft.py",
            "leapalign": "configs/leapalign.py"}
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENTRIES = {name: (path, {}) for name, path in METHODS.items()}
+ENTRIES["flow_grpo_null"] = (METHODS["flow_grpo"], {"advantage.null_control": True})
+# The levers of issue 16 on Flow-GRPO (WORKSPACE_NOTES.md "Making the policy gradient learn"): name -> overrides.
+LEVERS = {
+    "grpo_cfg1": {"sampler.cfg": 1.0},
+    "grpo_cfg1_p16": {"sampler.cfg": 1.0, "train.prompts_per_iteration": 16},
+    "grpo_cfg1_p32_g6": {"sampler.cfg": 1.0, "train.prompts_per_iteration": 32, "train.group_size": 6},
+    "grpo_p16_mb1": {"train.prompts_per_iteration": 16, "train.minibatches": 1},
+    "grpo_window9": {"sampler.sde_window": (0, 9), "sampler.same_noise_per_group": False, "train.minibatches": 4},
+    "grpo_epochs4": {"train.num_inner_epochs": 4},
+}
+for _name, _overrides in LEVERS.items():
+    ENTRIES[_name] = (METHODS["flow_grpo"], _overrides)
+    ENTRIES[_name + "_null"] = (METHODS["flow_grpo"], {**_overrides, "advantage.null_control": True})
 
 
-def method_config(name: str, args, eval_at_start: bool):
-    config = runpy.run_path(os.path.join(ROOT, METHODS[name]))["get_config"]("")
+def entry_config(name: str, seed: int, args, eval_at_start: bool = False):
+    path, overrides = ENTRIES[name]
+    config = runpy.run_path(os.path.join(ROOT, path))["get_config"]("")
+    config.update_from_flattened_dict(overrides)
     config.train.update(iterations=10_000, time_budget_s=float(args.budget_s))
-    config.eval.update(every=args.eval_every, at_start=eval_at_start, per_category=args.per_category)
+    config.eval.update(every=args.eval_every, at_start=eval_at_start, per_category=args.per_category,
+                       samples_per_prompt=args.samples_per_prompt)
     config.checkpoint.update(every=10_000)
-    config.seed = args.seed
+    config.seed = seed
     return config
 
 
-def _at(evals: list[dict], step: int) -> dict:
-    return next(e for e in evals if e["step"] == step)
+def eval_settings(args) -> dict:
+    """What makes two evals comparable: the same prompts, samples and noise."""
+    return {"per_category": args.per_category, "samples_per_prompt": args.samples_per_prompt}
 
 
-def _learned(e: dict) -> str:
-    return f"{e['learned_reward']:.3f}" if "learned_reward" in e else "-"
+def base_eval(args) -> dict:
+    """The base model's eval under `eval_settings(args)` (the run of `train` with 0 iterations), cached."""
+    path = os.path.join(args.out, "base.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+        if saved["settings"] == eval_settings(args):
+            return saved["eval"]
+        raise SystemExit(f"{path} was evaluated with {saved['settings']}, not {eval_settings(args)}: use another --out")
+    from flowrl_jax import train
+
+    config = entry_config("flow_grpo", 0, args, eval_at_start=True)
+    config.train.iterations = 0
+    out = train.run(config, os.path.join(args.workdir, "base"))
+    os.makedirs(args.out, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"settings": eval_settings(args), "eval": out["evals"][0]}, f, indent=2)
+    return out["evals"][0]
 
 
-def table(results: dict, base: dict) -> tuple[list[dict], str]:
-    common = min(max((e["step"] for e in r["evals"] if e["step"] % r["eval_every"] == 0 and e["step"] > 0), default=0)
-                 for r in results.values())  # the largest eval step every method reached (0: none in common)
+def run_one(name: str, seed: int, args) -> dict:
+    from flowrl_jax import train
+
+    workdir = os.path.join(args.workdir, f"{name}_seed{seed}")
+    shutil.rmtree(workdir, ignore_errors=True)  # a fresh run, not a resume of an earlier one
+    config = entry_config(name, seed, args)
+    out = train.run(config, workdir)
+    return {"name": name, "seed": seed, "overrides": {k: list(v) if isinstance(v, tuple) else v for k, v in ENTRIES[name][1].items()},
+            "config_file": ENTRIES[name][0], "budget_s": args.budget_s, "settings": eval_settings(args),
+            "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M"), "step": out["step"],
+            "wall_s": out["wall_s"], "first_iteration_s": out["first_iteration_s"], "evals": out["evals"],
+            "train_reward": train_rewards(workdir)}
+
+
+def train_rewards(workdir: str) -> list[float]:
+    path = os.path.join(workdir, "metrics.jsonl")
+    return [r["reward"] for r in map(json.loads, open(path)) if "reward" in r] if os.path.exists(path) else []
+
+
+def interval(values, confidence: float = 0.95) -> tuple[float, float]:
+    """(mean, half-width) of the Student-t interval over `values` (NaN half-width for one value)."""
+    v = np.asarray(values, float)
+    if v.size < 2:
+        return float(v.mean()), float("nan")
+    return float(v.mean()), float(scipy_stats.t.ppf(0.5 + confidence / 2, v.size - 1) * v.std(ddof=1) / np.sqrt(v.size))
+
+
+def welch(a, b, confidence: float = 0.95) -> tuple[float, float]:
+    """(mean(a) - mean(b), half-width) of Welch's t interval."""
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    if a.size < 2 or b.size < 2:
+        return float(a.mean() - b.mean()), float("nan")
+    va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
+    dof = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1)) if va + vb > 0 else 1.0
+    return float(a.mean() - b.mean()), float(scipy_stats.t.ppf(0.5 + confidence / 2, dof) * np.sqrt(va + vb))
+
+
+def load_runs(out: str, settings: dict) -> dict:
+    runs = {}
+    for path in sorted(glob.glob(os.path.join(out, "runs", "*", "seed_*.json"))):
+        with open(path) as f:
+            r = json.load(f)
+        if r["settings"] == settings:
+            runs.setdefault(r["name"], []).append(r)
+    return runs
+
+
+def _fmt(mean: float, half: float) -> str:
+    return f"{mean:+.3f} ± {half:.3f}" if np.isfinite(half) else f"{mean:+.3f} (1 seed)"
+
+
+def report(runs: dict, base: dict) -> tuple[list[dict], str]:
     b = base["table"]["overall"]
-    rows, lines = [], [
-        f"| method | iterations | s / iteration | strict @ {common} it | score @ {common} it | strict @ budget | score @ budget "
-        "| learned reward @ budget |",
-        "|---|---|---|---|---|---|---|---|",
-        f"| base model | 0 | - | {b['strict']:.3f} | {b['score']:.3f} | {b['strict']:.3f} | {b['score']:.3f} | {_learned(base)} |"]
-    for name, r in results.items():
-        end = r["evals"][-1]["table"]["overall"]
-        at_k = _at(r["evals"], common)["table"]["overall"] if common else {"strict": float("nan"), "score": float("nan")}
-        row = {"method": name, "iterations": r["step"], "s_per_iteration": (r["wall_s"] - r["first_iteration_s"]) / max(r["step"] - 1, 1),
-               "first_iteration_s": r["first_iteration_s"],
-               "equal_steps": common, "strict_at_steps": at_k["strict"], "score_at_steps": at_k["score"],
-               "strict_at_budget": end["strict"], "score_at_budget": end["score"],
-               "learned_reward_at_budget": r["evals"][-1].get("learned_reward")}
+    rows = []
+    lines = [f"Base: strict {b['strict']:.3f}, score {b['score']:.3f} ({b['n']} eval images).", "",
+             "| entry | seeds | budget s | iterations | strict gain (95% CI) | score gain (95% CI) | strict gain over null (95% CI) |",
+             "|---|---|---|---|---|---|---|"]
+    for name in sorted(runs):
+        rs = runs[name]
+        gains = {m: [r["evals"][-1]["table"]["overall"][m] - b[m] for r in rs] for m in ("strict", "score")}
+        row = {"entry": name, "seeds": [r["seed"] for r in rs], "budget_s": rs[0]["budget_s"],
+               "iterations": [r["step"] for r in rs], **{f"{m}_gain": interval(g) for m, g in gains.items()},
+               **{f"{m}_final": [r["evals"][-1]["table"]["overall"][m] for r in rs] for m in ("strict", "score")}}
+        null = runs.get(name + "_null")
+        if null:
+            row["strict_over_null"] = welch(row["strict_final"], [r["evals"][-1]["table"]["overall"]["strict"] for r in null])
         rows.append(row)
-        lines.append(f"| {name} | {row['iterations']} | {row['s_per_iteration']:.1f} | {at_k['strict']:.3f} | {at_k['score']:.3f} | "
-                     f"{end['strict']:.3f} | {end['score']:.3f} | {_learned(r['evals'][-1])} |")
+        lines.append(f"| {name} | {len(rs)} | {row['budget_s']:.0f} | {np.mean(row['iterations']):.0f} | {_fmt(*row['strict_gain'])} | "
+                     f"{_fmt(*row['score_gain'])} | {_fmt(*row['strict_over_null']) if null else '-'} |")
     return rows, "\n".join(lines)
 
 
-def plot_scores(results: dict, base: dict, path: str) -> None:
+def plot(runs: dict, base: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, r in results.items():
-        walls = [0.0] + [e["wall_s"] - r["first_iteration_s"] for e in r["evals"] if e["step"] > 0]
-        for ax, metric in zip(axes, ("strict", "score")):
-            ys = [base["table"]["overall"][metric]] + [e["table"]["overall"][metric] for e in r["evals"] if e["step"] > 0]
-            ax.plot(walls, ys, marker="o", label=name)
-    for ax, metric in zip(axes, ("strict", "score")):
-        ax.set_xlabel("training wall-clock after the first (compiling) iteration (s)")
-        ax.set_ylabel(f"eval overall {metric}")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def path_variance(workdir: str) -> dict:
-    """{step: mean V_t over iterations} and the budget from a run's metrics.jsonl."""
-    rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
-    rows = [r for r in rows if "path_variance_budget" in r]
-    steps = sorted({int(k.split("_")[-1]) for r in rows for k in r if k.startswith("path_variance/step_")})
-    return {"per_step": {t: float(np.mean([r[f"path_variance/step_{t}"] for r in rows])) for t in steps},
-            "budget": rows[0]["path_variance_budget"] if rows else float("nan")}
-
-
-def plot_path_variance(curves: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    for name, c in curves.items():
-        ax.plot(list(c["per_step"]), list(c["per_step"].values()), marker="o", label=name)
-    budget = next(iter(curves.values()))["budget"]
-    ax.axhline(budget, color="k", ls="--", lw=1, label="budget lambda D")
-    ax.set_yscale("log")
-    ax.set_xlabel("sampler step t")
-    ax.set_ylabel("path variance V_t (mean over updates)")
-    ax.legend(fontsize=8)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    b = base["table"]["overall"]["strict"]
+    for name in sorted(runs):
+        curves = [[(0.0, b)] + [(e["wall_s"] - r["first_iteration_s"], e["table"]["overall"]["strict"]) for e in r["evals"] if e["step"] > 0]
+                  for r in runs[name]]
+        n = min(len(c) for c in curves)
+        walls = np.mean([[w for w, _ in c[:n]] for c in curves], 0)
+        ys = np.array([[y for _, y in c[:n]] for c in curves])
+        line, = ax.plot(walls, ys.mean(0), marker="o", label=f"{name} ({len(curves)} seeds)", ls="--" if name.endswith("_null") else "-")
+        if len(curves) > 1:
+            ax.fill_between(walls, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.15)
+    ax.axhline(b, color="k", lw=1, label="base")
+    ax.set_xlabel("training wall-clock after the first (compiling) iteration (s)")
+    ax.set_ylabel("eval overall strict (mean over seeds; band min..max)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -125,46 +191,46 @@ def plot_path_variance(curves: dict, path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget_s", type=float, default=360.0)
-    parser.add_argument("--eval_every", type=int, default=8)
-    parser.add_argument("--per_category", type=int, default=35)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default="", help=f"comma-separated entries of {sorted(ENTRIES)}")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--budget_s", type=float, default=300.0)
+    parser.add_argument("--eval_every", type=int, default=0, help="iterations between evals (0: only before and at the end)")
+    parser.add_argument("--per_category", type=int, default=0, help="test prompts per category (0: all 420)")
+    parser.add_argument("--samples_per_prompt", type=int, default=2)
     parser.add_argument("--workdir", default="/tmp/compare_methods")
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
-    parser.add_argument("--merge", action="store_true",
-                        help="rerun only --methods and merge them into the existing compare_methods.json (its base eval kept)")
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "compare"))
+    parser.add_argument("--rerun", action="store_true", help="run again the (entry, seed) pairs that already have a JSON")
+    parser.add_argument("--report", action="store_true", help="only aggregate the runs already under --out")
     args = parser.parse_args()
+    unknown = [n for n in args.methods.split(",") if n and n not in ENTRIES]
+    if unknown:
+        raise SystemExit(f"unknown entries {unknown}; known: {sorted(ENTRIES)}")
 
-    from flowrl_jax import train
-
-    names = args.methods.split(",")
-    results, base, t0 = {}, None, time.time()
-    json_path = os.path.join(args.out, "compare_methods.json")
-    if args.merge:
-        with open(json_path) as f:
-            previous = json.load(f)
-        results, base = previous["runs"], previous["base"]
-    for i, name in enumerate(names):
-        workdir = os.path.join(args.workdir, name)
-        shutil.rmtree(workdir, ignore_errors=True)  # a fresh run, not a resume of an earlier one
-        out = train.run(method_config(name, args, eval_at_start=(i == 0 and base is None)), workdir)
-        if base is None:
-            base = out["evals"][0]
-        results[name] = {"step": out["step"], "wall_s": out["wall_s"], "first_iteration_s": out["first_iteration_s"],
-                         "evals": out["evals"], "eval_every": args.eval_every}
-        print(f"{name}: {out['step']} iterations in {results[name]['wall_s']:.0f} s of training")
-    rows, text = table(results, base)
+    base = base_eval(args)
+    if not args.report:
+        for name in filter(None, args.methods.split(",")):
+            for seed in map(int, args.seeds.split(",")):
+                path = os.path.join(args.out, "runs", name, f"seed_{seed}.json")
+                if os.path.exists(path) and not args.rerun:
+                    print(f"{name} seed {seed}: kept {path}")
+                    continue
+                result = run_one(name, seed, args)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "w") as f:
+                    json.dump(result, f, indent=1)
+                final = result["evals"][-1]["table"]["overall"]
+                print(f"{name} seed {seed}: {result['step']} iterations, strict {final['strict']:.3f}, score {final['score']:.3f}")
+    runs = load_runs(args.out, eval_settings(args))
+    if not runs:
+        return
+    rows, text = report(runs, base)
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    plot_scores(results, base, os.path.join(args.out, "compare_methods.png"))
-    curves = {n: path_variance(os.path.join(args.workdir, n)) for n in ("flow_grpo", "lambda_grpo")
-              if os.path.exists(os.path.join(args.workdir, n, "metrics.jsonl"))}
-    if curves:
-        plot_path_variance(curves, os.path.join(args.out, "path_variance.png"))
-    with open(json_path, "w") as f:
-        json.dump({"args": vars(args), "platform": platform.platform(), "total_s": time.time() - t0, "base": base,
-                   "rows": rows, "table_markdown": text, "path_variance": curves, "runs": results}, f, indent=2)
+    with open(os.path.join(args.out, "compare_methods.md"), "w") as f:
+        f.write(f"`python benchmarks/compare_methods.py --per_category {args.per_category} --samples_per_prompt "
+                f"{args.samples_per_prompt} --out {os.path.relpath(args.out, ROOT)} --report`\n\n{text}\n")
+    with open(os.path.join(args.out, "compare_methods.json"), "w") as f:
+        json.dump({"settings": eval_settings(args), "base": base, "rows": rows}, f, indent=1)
+    plot(runs, base, os.path.join(args.out, "compare_methods.png"))
 
 
 if __name__ == "__main__":

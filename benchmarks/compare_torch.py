@@ -127,7 +127,7 @@ def jax_updates(pair: Pair, ro, cond, null, reward: np.ndarray, it: int):
     gids = np.repeat(np.arange(t.prompts_per_iteration, dtype=np.int32), t.group_size)
     steps = pair.steps
     adv, _, _ = steps.credit(ro, parallel.shard_batch(reward.astype(np.float32), pair.mesh), parallel.shard_batch(gids, pair.mesh),
-                             t.prompts_per_iteration, steps.state.credit, {})
+                             t.prompts_per_iteration, steps.state.credit, {}, jax.random.PRNGKey(0))
     stats, data = [], {"rollout": ro, "adv": adv, "cond": cond, "null": null}
     for rows, slots, weight in minibatch_order(pair, it):
         steps.state, s = steps.update(steps.state, steps.frozen, data, rows, slots, weight)

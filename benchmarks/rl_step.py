@@ -61,7 +61,7 @@ def main() -> None:
     gids = np.repeat(np.arange(t_cfg.prompts_per_iteration, dtype=np.int32), t_cfg.group_size)
     extras = credit.prepare(steps.context(steps.state, ro, cond, null, prompts, reward_fn))
     adv, _, keep = steps.credit(ro, parallel.shard_batch(reward, mesh), parallel.shard_batch(gids, mesh),
-                                t_cfg.prompts_per_iteration, steps.state.credit, extras)
+                                t_cfg.prompts_per_iteration, steps.state.credit, extras, jax.random.PRNGKey(0))
     rows, step_ids, weight = next(steps_lib.minibatches(np.ones(batch, bool), steps.slots, steps.minibatch_size,
                                                     np.random.default_rng(0)))
     state = steps.state

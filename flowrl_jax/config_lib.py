@@ -67,12 +67,13 @@ def train_config() -> ConfigDict:
     cfg.train = dict(iterations=200, prompts_per_iteration=8, group_size=12, num_inner_epochs=1, minibatches=4,
                      lr=3e-4, weight_decay=1e-4, grad_clip=1.0, ema_decay=0.9, lora_rank=0,
                      rewards=(("shapes_score", 1.0),), time_budget_s=0.0)  # stop after this much training wall time, not counting the first (compiling) iteration; 0 = none
-    cfg.advantage = dict(global_std=True, clip=5.0)
+    cfg.advantage = dict(global_std=True, clip=5.0,
+                         null_control=False)  # True: advantages shuffled within each group (steps.make_credit_fn), learning vs drift
     cfg.credit = credit.config_fields()  # names: the chain (credit/__init__.py); one sub-dict of options per scheme
     cfg.curriculum = dict(curriculum.DEFAULTS)  # AdaGRPO's prompt curriculum, SPEC §5 (enabled=False)
     cfg.objective = objectives.config_fields()  # name: grpo | advantage_flow | nft | leapalign; one sub-dict per objective, SPEC §4, §6
     cfg.eval = dict(every=50, at_start=True, per_category=0, samples_per_prompt=1, batch_size=210, num_steps=20, cfg=3.0, shift=1.0,
-                    learned_reward=False)  # learned_reward: also score the eval images with the shipped learned reward
+                    learned_reward=False, noise_seed=1)  # noise_seed: the eval's initial noise, the same for every run and seed  # learned_reward: also score the eval images with the shipped learned reward
     cfg.checkpoint = dict(every=25, keep=3)
     return cfg
 
@@ -108,7 +109,7 @@ def sd35m_train_config(rewards=(("jpeg_compressibility", 1.0),), beta: float = 0
                      weight_decay=1e-4, grad_clip=1.0, rewards=tuple(rewards))
     cfg.objective.grpo.update(clip_range=1e-4, beta=beta)
     cfg.eval.update(every=50, at_start=True, samples_per_prompt=1, batch_size=16, num_steps=40, cfg=4.5, shift=3.0,
-                    learned_reward=False)
+                    learned_reward=False, noise_seed=1)
     cfg.checkpoint.update(every=20, keep=3)
     cfg.mesh = (("data", 1), ("fsdp", -1))  # FSDP over every device: the DiT, CLIPs and T5-XXL sharded
     cfg.partition_rules = ((r"(kernel|embedding)$", "fsdp"), (r".*", "replicate"))

@@ -2,7 +2,7 @@
 
     steps = Steps(config, mesh, world, dit, base, credit, num_prompts)
     ro, cond, null = steps.rollout(state.params, steps.frozen, ids, mask, rng)     # batch sharded on the mesh
-    adv, credit_state, keep = steps.credit(ro, rewards, group_ids, num_groups, state.credit, extras)
+    adv, credit_state, keep = steps.credit(ro, rewards, group_ids, num_groups, state.credit, extras, key)
     state, stats = steps.update(state, steps.frozen, data, rows, slots, weight)    # one optimizer step
 
 `frozen = {"dit", "text", ...}` are the world's base weights (the KL reference and the frozen text
@@ -85,12 +85,17 @@ def make_completion_fn(policy: Policy, config) -> Callable:
     return complete
 
 
-def make_credit_fn(credit, drops_zero_advantage: bool) -> Callable:
-    """`(ro, rewards, group_ids, num_groups, credit_state, extras) -> (A, credit_state, keep [B])`; objectives
-    with per-step ratios drop samples with no advantage on a trained step (SPEC §2), the others keep all."""
-    def credit_fn(ro, rewards, group_ids, num_groups, credit_state, extras):
+def make_credit_fn(credit, drops_zero_advantage: bool, null_control: bool = False) -> Callable:
+    """`(ro, rewards, group_ids, num_groups, credit_state, extras, key) -> (A, credit_state, keep [B])`; objectives
+    with per-step ratios drop samples with no advantage on a trained step (SPEC §2), the others keep all.
+    `null_control` (`config.advantage.null_control`): the chain's advantages `A[b, t, k]` are then shuffled
+    between the samples of each group (`key`), so the run trains on the same advantage values attached to
+    the wrong samples: its expected policy gradient is zero, and what such a run does is drift, not learning."""
+    def credit_fn(ro, rewards, group_ids, num_groups, credit_state, extras, key):
         inputs = {"rollout": ro, "rewards": rewards, "group_ids": group_ids, "num_groups": num_groups, **extras}
         adv, credit_state = credit.apply(inputs, credit_state)
+        if null_control:
+            adv = credit_lib.group.permute_within_groups(adv, group_ids, key)
         keep = credit_lib.kept_samples(adv, ro.trained) if drops_zero_advantage else jnp.ones(rewards.shape, bool)
         return adv, credit_state, keep
 
@@ -189,7 +194,7 @@ class Steps:
         data, replicated = parallel.batch_sharding(mesh), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self.rollout = jax.jit(make_rollout_fn(policy, world, config),
                                in_shardings=(self.shardings.params, frozen_shardings, data, data, replicated))
-        self.credit = jax.jit(make_credit_fn(credit, "step" in objective.offers(options)), static_argnums=3)
+        self.credit = jax.jit(make_credit_fn(credit, "step" in objective.offers(options), config.advantage.null_control), static_argnums=3)
         self.complete = jax.jit(make_completion_fn(policy, config), static_argnums=5)
         self.update = jax.jit(make_update_fn(policy, objective, options, optimizer, config, reward_apply),
                               out_shardings=(self.shardings, None), donate_argnums=0, compiler_options=compiler.backward_options())

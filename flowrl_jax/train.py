@@ -200,7 +200,9 @@ def assign_credit(job: Job, state: TrainState, ro, cond, null, batch: dict, scor
     t_cfg, steps = job.config.train, job.steps
     ctx = steps.context(state, ro, cond, null, batch["prompts_local"], job.reward_fn)
     extras = job.credit.prepare(ctx)
-    adv, credit_state, keep = steps.credit(ro, scored["rewards"], scored["group_ids"], t_cfg.prompts_per_iteration, state.credit, extras)
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(job.config.seed), it), 2)  # the null control's shuffle
+    adv, credit_state, keep = steps.credit(ro, scored["rewards"], scored["group_ids"], t_cfg.prompts_per_iteration, state.credit,
+                                           extras, key)
     state = state.replace(credit=credit_state)
     if job.config.curriculum.enabled:
         by_group = parallel.to_host(scored["rewards"]).reshape(t_cfg.prompts_per_iteration, t_cfg.group_size)

@@ -1,6 +1,7 @@
 """Group-relative advantages (Flow-GRPO, SPEC.md §2) and the `uniform` credit scheme (SPEC §3).
 
     A = group_advantages(rewards [B], group_ids [B], num_groups, global_std=True, clip=5.0)   # [B]
+    A_null = permute_within_groups(A, group_ids, key)                                        # the null control
 
 `A[b] = (r[b] - mean_{g[b]} r) / (std + 1e-4)`, the std over the sample's prompt group or, with
 `global_std`, over the whole (gathered, global) batch; clipped to `[-clip, clip]`. Rewards are a
@@ -24,6 +25,16 @@ def group_advantages(rewards, group_ids, num_groups: int, global_std: bool = Tru
         var = jax.ops.segment_sum(jnp.square(centered), group_ids, num_groups) / jnp.maximum(count, 1.0)
         std = jnp.sqrt(var)[group_ids]
     return jnp.clip(centered / (std + eps), -clip, clip)
+
+
+def permute_within_groups(x, group_ids, key):
+    """`x [B, ...]` with its rows shuffled within each prompt group (the null control, SPEC §2: advantages
+    that carry no information about their own sample). `group_ids [B]` any integers; a row only ever
+    moves to a row of its own group, so each group keeps its multiset of values."""
+    u = jax.random.uniform(key, group_ids.shape)
+    by_group = jnp.argsort(group_ids, stable=True)   # the rows of each group, in order
+    shuffled = jnp.lexsort((u, group_ids))           # the same groups, rows in random order
+    return x.at[by_group].set(x[shuffled])
 
 
 def uniform(inputs: dict, adv, state, cfg):

@@ -164,7 +164,7 @@ class SD3World:
             self._reward_fn = rewards.build(self.rewards)
         params = {"dit": dit_params, "text": frozen["text"], "vae": frozen["vae"]}
         rows = [p for p in self.test_prompts for _ in range(e.samples_per_prompt)]
-        rng = jax.random.PRNGKey(self.seed + 1)  # the same noise at every eval
+        rng = jax.random.PRNGKey(e.noise_seed)  # the same noise at every eval
         images, parts = [], []
         for i, start in enumerate(tqdm(range(0, len(rows), e.batch_size), desc="eval", leave=False)):
             chunk = rows[start : start + e.batch_size]

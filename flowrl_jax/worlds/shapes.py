@@ -44,7 +44,7 @@ class ShapesWorld:
     eval_name, eval_rows = "GenEval-style table", "category"  # what the train job's before/after table is called
 
     def __init__(self, config, loaded=None):
-        w, self.eval_cfg, self.seed = config.world, config.eval, config.seed
+        w, self.eval_cfg = config.world, config.eval
         self.loaded = loaded
         self.base = w.base
         self.train_prompts = load_prompt_set(w.train_prompts, "train")
@@ -98,7 +98,7 @@ class ShapesWorld:
         if self._sampler is None:
             self._sampler = evaluate.make_sampler(self.pipe, e.num_steps, e.cfg, e.shift)
         result = evaluate.geneval(self.pipe, {"dit": dit_params, "text": frozen["text"]}, self.test_prompts,
-                                  jax.random.PRNGKey(self.seed + 1), e.samples_per_prompt, e.batch_size, sampler=self._sampler,
+                                  jax.random.PRNGKey(self.eval_cfg.noise_seed), e.samples_per_prompt, e.batch_size, sampler=self._sampler,
                                   progress=True)
         evaluate.category_grid(result, os.path.join(workdir, f"eval_{step:06d}.png"))
         table = result["table"]
