@@ -104,7 +104,7 @@ def build_pair(config, pipe, base: dict, compile_modes=("eager",), lora_b_scale:
     t, o = config.train, config.objective.grpo
     sides = {mode: tr.TorchFlowGRPO(tr.diffusers_model(pipe.dit, jax.device_get(base["dit"])), adapters, pipe.dit.lora_alpha,
                                     config.sampler.cfg, o.clip_range, o.beta, t.lr, t.weight_decay, t.grad_clip, t.ema_decay,
-                                    compile=mode == "compile")
+                                    compile=mode == "compile", kl_form=o.kl_form, detach_uncond=o.detach_uncond, ema_every=t.ema_every)
              for mode in compile_modes}
     return Pair(config, mesh, pipe, world, steps, sides)
 

@@ -115,13 +115,15 @@ class TorchFlowGRPO:
     """Flow-GRPO on a diffusers model with LoRA adapters (module doc). `compile`: `torch.compile` the DiT."""
 
     def __init__(self, model, adapters: dict, lora_alpha: float, cfg: float, clip_range: float, beta: float, lr: float,
-                 weight_decay: float = 1e-4, grad_clip: float = 1.0, ema_decay: float = 0.9, compile: bool = False):
+                 weight_decay: float = 1e-4, grad_clip: float = 1.0, ema_decay: float = 0.9, compile: bool = False,
+                 kl_form: str = "flow_grpo", detach_uncond: bool = True, ema_every: int = 1):
         self.model = model
         self.lora = add_lora(model, adapters, lora_alpha)
         self.params = [p for layer in self.lora.values() for p in (layer.lora_A, layer.lora_B)]
         self.ema = [p.detach().clone() for p in self.params]
         self.updates = 0
         self.cfg, self.clip_range, self.beta, self.grad_clip, self.ema_decay = cfg, clip_range, beta, grad_clip, ema_decay
+        self.kl_form, self.detach_uncond, self.ema_every = kl_form, detach_uncond, ema_every
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
         self.dit = torch.compile(model) if compile else model
 
@@ -134,12 +136,15 @@ class TorchFlowGRPO:
         return {f"{path}/{k}": w.detach().numpy().T for path, layer in self.lora.items()
                 for k, w in (("a", layer.lora_A), ("b", layer.lora_B))}
 
-    def velocity(self, x, sigma, cond, null):
-        """CFG velocity, both branches in one doubled batch; x [M, C, H, W], sigma [M], cond/null (tokens, pooled)."""
+    def velocity(self, x, sigma, cond, null, detach_uncond: bool = False):
+        """CFG velocity, both branches in one doubled batch; x [M, C, H, W], sigma [M], cond/null (tokens, pooled);
+        `detach_uncond`: no gradient through the unconditional branch (Flow-GRPO's training forward)."""
         both = [torch.cat([c, u]) for c, u in zip(cond, null)]
         out = self.dit(hidden_states=torch.cat([x, x]), encoder_hidden_states=both[0], pooled_projections=both[1],
                        timestep=1000 * torch.cat([sigma, sigma]), return_dict=False)[0]
         v_cond, v_null = out.chunk(2)
+        if detach_uncond:
+            v_null = v_null.detach()
         return v_null + self.cfg * (v_cond - v_null)
 
     @torch.no_grad()
@@ -164,7 +169,7 @@ class TorchFlowGRPO:
         x, x_next = ro["states"][rows, steps], ro["next_states"][rows, steps]
         sigma, sigma_next, level = ro["sigmas"][steps], ro["sigmas"][steps + 1], ro["levels"][steps]
         cond_mb, null_mb = [c[rows] for c in cond], [u[rows] for u in null]
-        mean, std = sde_step(x, self.velocity(x, sigma, cond_mb, null_mb), sigma, sigma_next, level, ro["sigmas"][1])
+        mean, std = sde_step(x, self.velocity(x, sigma, cond_mb, null_mb, self.detach_uncond), sigma, sigma_next, level, ro["sigmas"][1])
         ratio = torch.exp(sde_logprob(x_next, mean, std) - ro["logp"][rows, steps])
         a = adv[rows]
         per_pair = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - self.clip_range, 1 + self.clip_range))
@@ -176,7 +181,9 @@ class TorchFlowGRPO:
                 self.set_lora(False)
                 ref_mean, _ = sde_step(x, self.velocity(x, sigma, cond_mb, null_mb), sigma, sigma_next, level, ro["sigmas"][1])
                 self.set_lora(True)
-            kl = (weight * ((mean - ref_mean) ** 2 / (2 * std**2)).mean(dim=(1, 2, 3))).sum() / total
+            # Flow-GRPO's KL divides by its std_dev_t, the kernel's std without sqrt(-dt); "exact" by the std itself
+            kl_std = std / torch.sqrt(sigma - sigma_next).reshape(-1, 1, 1, 1) if self.kl_form == "flow_grpo" else std
+            kl = (weight * ((mean - ref_mean) ** 2 / (2 * kl_std**2)).mean(dim=(1, 2, 3))).sum() / total
         loss = policy_loss + self.beta * kl
         clipfrac = (weight * ((ratio - 1).abs() > self.clip_range).float()).sum() / total
         return loss, {"policy_loss": policy_loss.detach(), "kl": kl.detach(), "clipfrac": clipfrac}
@@ -189,7 +196,7 @@ class TorchFlowGRPO:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         self.optimizer.step()
         self.updates += 1
-        decay = min(self.ema_decay, (1.0 + self.updates) / (10.0 + self.updates))
+        decay = min(self.ema_decay, (1.0 + self.updates) / (10.0 + self.updates)) if self.updates % self.ema_every == 0 else 1.0
         with torch.no_grad():
             for e, p in zip(self.ema, self.params):
                 e.mul_(decay).add_(p, alpha=1 - decay)

@@ -65,7 +65,7 @@ def train_config() -> ConfigDict:
     cfg.sampler = dict(kind="sde", num_steps=10, shift=1.0, noise_level=0.7, sde_window=(), cfg=3.0,
                        same_noise_per_group=False, logprob_form="gaussian")  # sde_window () = every step
     cfg.train = dict(iterations=200, prompts_per_iteration=8, group_size=12, num_inner_epochs=1, minibatches=4,
-                     lr=3e-4, weight_decay=1e-4, grad_clip=1.0, ema_decay=0.9, lora_rank=0,
+                     lr=3e-4, weight_decay=1e-4, grad_clip=1.0, ema_decay=0.9, ema_every=1, lora_rank=0, lora_init="kaiming",
                      rewards=(("shapes_score", 1.0),), time_budget_s=0.0)  # stop after this much training wall time, not counting the first (compiling) iteration; 0 = none
     cfg.advantage = dict(global_std=True, clip=5.0,
                          null_control=False)  # True: advantages shuffled within each group (steps.make_credit_fn), learning vs drift
@@ -75,6 +75,9 @@ def train_config() -> ConfigDict:
     cfg.eval = dict(every=50, at_start=True, per_category=0, samples_per_prompt=1, batch_size=210, num_steps=20, cfg=3.0, shift=1.0,
                     learned_reward=False, noise_seed=1)  # noise_seed: the eval's initial noise, the same for every run and seed  # learned_reward: also score the eval images with the shipped learned reward
     cfg.checkpoint = dict(every=25, keep=3)
+    # image_change: every this many iterations (0: never), how far the iteration's update moved the final latents of
+    # the first `image_change_samples` rows at the same noise, split into trained and untrained steps (steps.make_image_change_fn)
+    cfg.diagnostics = dict(image_change_every=4, image_change_samples=16)
     return cfg
 
 

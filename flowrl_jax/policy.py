@@ -21,11 +21,11 @@ from flowrl_jax.sampling import kernels, rollout as rollout_lib
 class Policy:
     """The trainable DiT: `variables(trainable, frozen_dit)` for `dit.apply`, with LoRA or without."""
 
-    def __init__(self, dit: MMDiT, lora_rank: int):
-        self.dit, self.lora_rank = dit, lora_rank
+    def __init__(self, dit: MMDiT, lora_rank: int, lora_init: str = "kaiming"):
+        self.dit, self.lora_rank, self.lora_init = dit, lora_rank, lora_init
 
     def init(self, frozen_dit, rng):
-        return lora.init_adapters(frozen_dit, rng, rank=self.lora_rank) if self.lora_rank else frozen_dit
+        return lora.init_adapters(frozen_dit, rng, rank=self.lora_rank, init=self.lora_init) if self.lora_rank else frozen_dit
 
     def variables(self, trainable, frozen_dit) -> dict:
         return {"params": frozen_dit, "lora": trainable} if self.lora_rank else {"params": trainable}
@@ -43,11 +43,12 @@ class Policy:
         return lambda x, sigma, cond: self.dit.apply(dit_variables, x, sigma, *cond)
 
 
-def kernel_mean_fn(policy: Policy, sampler_cfg) -> Callable:
-    """`mean_fn(variables, mb) -> (mean, std, v)`: the rollout's kernel (with CFG) at the minibatch's states."""
+def kernel_mean_fn(policy: Policy, sampler_cfg, detach_uncond: bool = False) -> Callable:
+    """`mean_fn(variables, mb) -> (mean, std, v)`: the rollout's kernel (with CFG) at the minibatch's states;
+    `detach_uncond`: no gradient through CFG's unconditional branch (`rollout.guided`)."""
 
     def mean_fn(variables, mb):
-        velocity = rollout_lib.guided(policy.velocity_fn(variables), mb["cond"], mb["null"], sampler_cfg.cfg)
+        velocity = rollout_lib.guided(policy.velocity_fn(variables), mb["cond"], mb["null"], sampler_cfg.cfg, detach_uncond)
         return kernels.transition(sampler_cfg.kind, velocity, mb["x"], mb["sigma"], mb["sigma_next"], mb["level"], mb["sigma_1"])
 
     return mean_fn
@@ -60,8 +61,10 @@ class PolicyFns(NamedTuple):
     reward: Callable    # (images [M, H, W, C], mb) -> [M]: the world's differentiable reward (params and tokens in mb)
 
 
-def policy_fns(policy: Policy, sampler_cfg, reward_apply: Callable | None = None, velocity_cfg: float | None = None) -> PolicyFns:
-    """`velocity_cfg`: the CFG scale of `velocity` (None: the sampler's; 1: the conditional velocity alone)."""
+def policy_fns(policy: Policy, sampler_cfg, reward_apply: Callable | None = None, velocity_cfg: float | None = None,
+               detach_uncond: bool = False) -> PolicyFns:
+    """`velocity_cfg`: the CFG scale of `velocity` (None: the sampler's; 1: the conditional velocity alone);
+    `detach_uncond`: `mean` takes no gradient through CFG's unconditional branch."""
     cfg = sampler_cfg.cfg if velocity_cfg is None else velocity_cfg
 
     def velocity(variables, x, sigma, mb):
@@ -70,4 +73,4 @@ def policy_fns(policy: Policy, sampler_cfg, reward_apply: Callable | None = None
     def reward(images, mb):
         return reward_apply(mb["reward_params"], images, mb["reward_ids"], mb["reward_mask"])
 
-    return PolicyFns(kernel_mean_fn(policy, sampler_cfg), velocity, reward)
+    return PolicyFns(kernel_mean_fn(policy, sampler_cfg, detach_uncond), velocity, reward)

@@ -105,8 +105,8 @@ def make_credit_fn(credit, drops_zero_advantage: bool, null_control: bool = Fals
 def make_update_fn(policy: Policy, objective, options, optimizer, config, reward_apply: Callable | None = None) -> Callable:
     """jit-able `(state, frozen, data, rows, slots, weight) -> (state, stats)`: one optimizer step of the
     objective on its pairs `(rows[m], slots[m])` of the iteration's `data`."""
-    fns = policy_fns(policy, config.sampler, reward_apply, options.get("train_cfg", 0.0) or None)
-    ema_decay = config.train.ema_decay
+    fns = policy_fns(policy, config.sampler, reward_apply, options.get("train_cfg", 0.0) or None, options.get("detach_uncond", False))
+    ema_decay, ema_every = config.train.ema_decay, config.train.ema_every
 
     def update(state: TrainState, frozen, data, rows, slots, weight):
         key = jax.random.fold_in(jax.random.PRNGKey(config.seed + 2), state.updates)
@@ -123,13 +123,42 @@ def make_update_fn(policy: Policy, objective, options, optimizer, config, reward
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         n = state.updates + 1
-        decay = jnp.minimum(ema_decay, (1.0 + n) / (10.0 + n))
+        decay = jnp.where(n % ema_every == 0, jnp.minimum(ema_decay, (1.0 + n) / (10.0 + n)), 1.0)  # every ema_every updates
         ema = jax.tree_util.tree_map(lambda e, p: decay * e + (1 - decay) * p, state.ema, params)
         stats = {"loss": value, **aux, "grad_norm": optax.tree.norm(grads), "update_norm": optax.tree.norm(updates),
                  "param_norm": optax.tree.norm(params)}
         return state.replace(params=params, opt_state=opt_state, ema=ema, updates=n), stats
 
     return update
+
+
+def make_image_change_fn(policy: Policy, world, config) -> Callable:
+    """jit-able `(before, after, frozen, ids, mask, rng) -> {total, trained_steps, untrained_steps}`: how far an
+    update moved the final latents of the first `config.diagnostics.image_change_samples` prompts, at the same
+    noise (RMS over elements): with `after` on every step (total), on the trained (SDE-window) steps only
+    with `before` elsewhere, and the rest (`after` everywhere against `after` on the trained steps only)."""
+    s, n = config.sampler, config.diagnostics.image_change_samples
+    sigmas, levels = schedule.sigmas(s.num_steps, s.shift), sampler_levels(s)
+    trained_sigmas = np.asarray(sigmas)[:-1][np.asarray(levels) > 0]
+
+    def image_change(before, after, frozen, ids, mask, rng):
+        cond = world.encode(frozen, ids[:n], mask[:n])
+        null = world.null_condition(frozen, n)
+        v_before, v_after = (rollout_lib.guided(policy.velocity_fn(policy.sampling_variables(p, frozen["dit"])), cond, null, s.cfg)
+                             for p in (before, after))
+
+        def v_mixed(x, sigma):  # `after` on the trained steps, `before` on the others
+            on_trained = jnp.any(jnp.ravel(sigma)[0] == trained_sigmas) if trained_sigmas.size else False
+            return jax.lax.cond(on_trained, v_after, v_before, x, sigma)
+
+        k_noise, k_steps = jax.random.split(rng)
+        x_T = jax.random.normal(k_noise, world.latent_shape(n))
+        final = [rollout_lib.rollout(v, x_T, sigmas, levels, k_steps, s.kind, policy.dit.patch_size, s.logprob_form).final
+                 for v in (v_before, v_after, v_mixed)]
+        rms = lambda a: jnp.sqrt(jnp.mean(jnp.square(a)))  # noqa: E731
+        return {"total": rms(final[1] - final[0]), "trained_steps": rms(final[2] - final[0]), "untrained_steps": rms(final[1] - final[2])}
+
+    return image_change
 
 
 def update_old_policy(state: TrainState, decay: Callable) -> TrainState:
@@ -148,10 +177,13 @@ def reward_gradient_fn(reward_model, mesh) -> Callable:
 
 
 def minibatches(keep: np.ndarray, slots: np.ndarray, size: int, rng: np.random.Generator):
-    """Shuffled (rows, slots, weight) chunks of `size` over the kept samples x training slots; the last
-    chunk is padded with weight-0 pairs so every update has one compiled shape."""
-    rows, steps = np.meshgrid(np.flatnonzero(keep), slots, indexing="ij")
-    pairs = np.stack([rows.ravel(), steps.ravel()], 1)[rng.permutation(rows.size)]
+    """(rows, slots, weight) chunks of `size` over the kept samples x training slots, the samples in a
+    shuffled order and each sample's pairs together (as Flow-GRPO accumulates all of a sample's steps into
+    one optimizer step), so that in the first epoch a chunk's samples are unseen by the updates before it
+    (but where a sample straddles two chunks); the last chunk is padded with weight-0 pairs so every update
+    has one compiled shape."""
+    rows, steps = np.meshgrid(rng.permutation(np.flatnonzero(keep)), slots, indexing="ij")
+    pairs = np.stack([rows.ravel(), steps.ravel()], 1)
     for start in range(0, len(pairs), size):
         chunk = pairs[start : start + size]
         weight = np.ones(size, np.float32)
@@ -168,7 +200,7 @@ class Steps:
     def __init__(self, config, mesh, world, dit, base: dict, credit, num_prompts: int = 0):
         t_cfg = config.train
         self.mesh, self.world = mesh, world
-        self.policy = policy = Policy(dit, t_cfg.lora_rank)
+        self.policy = policy = Policy(dit, t_cfg.lora_rank, t_cfg.lora_init)
         self.objective = objective = objectives.get(config.objective.name)
         self.options = options = objectives.resolve_options(config, dit.patch_size)
         optimizer = make_optimizer(t_cfg)
@@ -196,6 +228,7 @@ class Steps:
                                in_shardings=(self.shardings.params, frozen_shardings, data, data, replicated))
         self.credit = jax.jit(make_credit_fn(credit, "step" in objective.offers(options), config.advantage.null_control), static_argnums=3)
         self.complete = jax.jit(make_completion_fn(policy, config), static_argnums=5)
+        self.image_change = jax.jit(make_image_change_fn(policy, world, config))
         self.update = jax.jit(make_update_fn(policy, objective, options, optimizer, config, reward_apply),
                               out_shardings=(self.shardings, None), donate_argnums=0, compiler_options=compiler.backward_options())
         if objective.old_policy is not None:

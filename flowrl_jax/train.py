@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
@@ -36,6 +37,7 @@ from flowrl_jax import credit as credit_lib, metrics, objectives, parallel, rewa
 from flowrl_jax.checkpoint import CheckpointError, Checkpointer
 from flowrl_jax.config_lib import ConfigError
 from flowrl_jax.data import curriculum
+from flowrl_jax.models import lora
 from flowrl_jax.steps import Steps, TrainState, minibatches, sampler_levels
 
 
@@ -85,6 +87,8 @@ def validate(config):
         world = worlds.build(config)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
+    if config.train.lora_init not in lora.INITS:
+        raise ConfigError(f"train.lora_init={config.train.lora_init!r}: choose one of {', '.join(lora.INITS)}")
     if s.kind == "ode" and s.same_noise_per_group:
         raise ConfigError("sampler.kind=ode with sampler.same_noise_per_group=True makes every image of a group the same "
                           "(no advantage to learn from): set --config.sampler.same_noise_per_group=False")
@@ -217,17 +221,23 @@ def assign_credit(job: Job, state: TrainState, ro, cond, null, batch: dict, scor
 
 def update(job: Job, state: TrainState, data: dict, keep: np.ndarray, it: int) -> tuple[TrainState, dict, int]:
     """`num_inner_epochs` shuffled passes over the kept samples x the objective's slots, one optimizer step
-    per minibatch; then the old policy follows. -> (state, mean stats, number of updates)."""
+    per minibatch; then the old policy follows. -> (state, mean stats, number of updates). The objective's
+    per-minibatch `alignment` becomes `alignment_heldout` (first epoch, after its first minibatch: samples
+    no update has seen) and `alignment_trained` (later epochs)."""
     t_cfg, steps, seed = job.config.train, job.steps, job.config.seed
-    step_stats = []
+    step_stats, aligned = [], {"alignment_heldout": [], "alignment_trained": []}
     for epoch in range(t_cfg.num_inner_epochs):
-        for rows, slots, weight in minibatches(keep, steps.slots, steps.minibatch_size, np.random.default_rng([seed, it, epoch])):
+        chunks = minibatches(keep, steps.slots, steps.minibatch_size, np.random.default_rng([seed, it, epoch]))
+        for i, (rows, slots, weight) in enumerate(chunks):
             state, stats = steps.update(state, steps.frozen, data, rows, slots, weight)
             step_stats.append(stats)
+            if "alignment" in stats and (epoch or i):  # the first minibatch is on-policy: no change to correlate yet
+                aligned["alignment_trained" if epoch else "alignment_heldout"].append(stats["alignment"])
     state = state.replace(step=state.step + 1)
     if steps.objective.old_policy is not None:
         state = steps.update_old_policy(state)
-    stats = {k: np.mean([np.asarray(s[k]) for s in step_stats], 0) for k in step_stats[0]} if step_stats else {}
+    stats = {k: np.mean([np.asarray(s[k]) for s in step_stats], 0) for k in step_stats[0] if k != "alignment"} if step_stats else {}
+    stats.update({k: np.mean(np.asarray(v)) for k, v in aligned.items() if v})
     _finite_or_stop({k: v for k, v in stats.items() if k in ("loss", "kl", "grad_norm")}, it + 1, job.ckpt)
     return state, stats, len(step_stats)
 
@@ -289,9 +299,14 @@ def iteration(job: Job, state: TrainState, it: int) -> tuple[TrainState, dict]:
     key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(job.config.seed), it), 1)  # the iteration's own randomness
     data = {"rollout": ro, "adv": adv, "cond": cond, "null": null, "key": key, **job.steps.objective_extras(batch["prompts_local"])}
     t2 = time.time()
+    diag = job.config.diagnostics
+    before = jax.tree_util.tree_map(jnp.copy, state.params) if itstime(it + 1, diag.image_change_every, job.config.train.iterations) else None
     state, stats, num_updates = update(job, state, data, keep, it)
     t3 = time.time()
     job.history["wall_s"] += t3 - t0
+    if before is not None:  # the same-noise change of the final latents, trained vs untrained steps (not in wall_s)
+        change = job.steps.image_change(before, state.params, job.steps.frozen, batch["ids"], batch["mask"], jax.random.fold_in(key, 7))
+        stats.update({f"image_change/{k}": np.asarray(v) for k, v in change.items()})
     if job.history["first_iteration_s"] is None:
         job.history["first_iteration_s"] = t3 - t0
     return state, log_iteration(job, it + 1, scored, stats, keep, num_updates, [t0, t1, t2, t3])

@@ -128,3 +128,57 @@ def test_token_ratio_with_token_constant_advantage_has_the_per_sample_gradient_o
     g_token = jax.grad(lambda th: grpo.clipped_loss(th, 1.0, mb, PolicyFns(mean_fn, None, None), _options(beta=0.0, ratio="token"))[0])(1.0)
     np.testing.assert_allclose(g_token, g_sample, rtol=1e-4)
     assert abs(float(g_sample)) > 0
+
+
+# ------------------------------------------------------------------------ null control and diagnostics (issue 16)
+def test_null_control_permutes_within_groups_uniformly_and_zeroes_the_expected_gradient():
+    g = jnp.array([2, 0, 0, 2, 1, 0, 2, 1, 0])  # groups need not be contiguous
+    a = group.group_advantages(jnp.arange(9.0) ** 1.5, g, 3, global_std=False)
+    perms = jax.vmap(lambda k: group.permute_within_groups(a, g, k))(jax.random.split(jax.random.PRNGKey(0), 4000))
+    for k in range(3):  # each group keeps its own values
+        np.testing.assert_allclose(np.sort(np.asarray(perms)[:, np.asarray(g) == k], 1),
+                                   np.broadcast_to(np.sort(np.asarray(a)[np.asarray(g) == k]), (4000, int((g == k).sum()))), rtol=1e-6)
+    # Uniform over the 4! orders of group 0's rows: each order's frequency within 4 binomial standard errors of 1/24.
+    rows0 = np.flatnonzero(np.asarray(g) == 0)
+    order = np.argsort(np.argsort(np.asarray(perms)[:, rows0], 1), 1) @ (4 ** np.arange(4))
+    freq = np.unique(order, return_counts=True)[1] / 4000
+    assert len(freq) == 24 and np.all(np.abs(freq - 1 / 24) < 4 * np.sqrt(1 / 24 * 23 / 24 / 4000))
+    # The on-policy policy gradient -mean_i A_i grad l_i of a toy log-prob l_i(theta) = -(x_i - theta_i)^2 / 2, each
+    # sample its own direction: unpermuted it is far from 0; over the permutations its mean is 0 within 4 standard errors.
+    x = jnp.linspace(-1.0, 1.0, 9)
+    grad = lambda adv: jax.grad(lambda th: -jnp.mean(adv * -0.5 * (x - th) ** 2))(jnp.zeros(9))  # noqa: E731
+    null = jax.vmap(grad)(perms)
+    se = np.asarray(null.std(0)) / np.sqrt(4000)
+    assert np.all(np.abs(np.asarray(null.mean(0))) < 4 * se + 1e-7)
+    assert np.max(np.abs(np.asarray(grad(a)))) > 20 * se.max()
+
+
+def test_alignment_is_one_on_aligned_log_ratios_and_about_zero_on_noise():
+    adv = jax.random.normal(jax.random.PRNGKey(0), (4000,))
+    w = jnp.ones(4000).at[-100:].set(0.0)  # padding pairs do not count
+    aligned = jnp.where(w > 0, 3e-5 * adv, 7.0)
+    np.testing.assert_allclose(grpo.alignment(adv, aligned, w), 1.0, atol=1e-5)  # float32 sums of 4k terms
+    np.testing.assert_allclose(grpo.alignment(adv, -aligned, w), -1.0, atol=1e-5)
+    noise = jax.random.normal(jax.random.PRNGKey(1), (4000,))
+    assert abs(float(grpo.alignment(adv, noise, w))) < 4 / np.sqrt(3900)  # 4 standard errors of a null correlation
+    assert float(grpo.alignment(adv, jnp.zeros(4000), w)) == 0.0  # the first (on-policy) minibatch
+
+
+def test_minibatches_keep_each_samples_pairs_together():
+    keep = np.ones(12, bool)
+    chunks = list(minibatches(keep, np.array([0, 3, 5]), size=9, rng=np.random.default_rng(1)))
+    rows = np.concatenate([c[0] for c in chunks])
+    assert [set(np.asarray(c[0])) for c in chunks] == [set(rows[i:i + 9]) for i in range(0, 36, 9)]
+    assert all(len(set(c[0].tolist())) == 3 for c in chunks)  # 9 pairs = 3 samples x 3 steps, nothing split
+    assert sorted(rows.tolist()) == sorted(list(range(12)) * 3)
+
+
+def test_detached_unconditional_branch_takes_the_gradient_of_the_conditional_one_only():
+    x, sigma, cfg = jnp.ones((2, 2)), jnp.full((2,), 0.5), 3.0
+    fn = lambda th: (lambda xx, s, c: th * c * xx)  # noqa: E731  v = theta * cond * x
+    cond, null = jnp.full((2, 1), 2.0), jnp.full((2, 1), 0.5)
+    value = lambda th, detach: rollout.guided(fn(th), cond, null, cfg, detach)(x, sigma).sum()  # noqa: E731
+    np.testing.assert_allclose(value(1.3, True), value(1.3, False), rtol=1e-6)  # the same velocity
+    # v = (1 - cfg) theta u x + cfg theta c x: d/dtheta sums to 4 ((1 - cfg) 0.5 + cfg 2) in full, 4 cfg 2 detached.
+    np.testing.assert_allclose(jax.grad(value)(1.3, False), 4 * ((1 - cfg) * 0.5 + cfg * 2.0), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(value)(1.3, True), 4 * cfg * 2.0, rtol=1e-6)

@@ -58,3 +58,15 @@ def test_gradients_flow_to_the_adapters_only(tiny_model, tiny_params):
 def test_targets_matching_nothing_is_a_clear_error(tiny_params):
     with pytest.raises(ValueError, match="matches no kernel"):
         lora.init_adapters(tiny_params, jax.random.PRNGKey(0), targets=r"/no_such_layer/kernel$")
+
+
+def test_gaussian_init_has_std_one_over_rank_and_zero_b(tiny_params):
+    adapters = lora.init_adapters(tiny_params, jax.random.PRNGKey(0), rank=4, init="gaussian")
+    flat = flax.traverse_util.flatten_dict(adapters, sep="/")
+    a = np.concatenate([np.asarray(v).ravel() for k, v in flat.items() if k.endswith("/a")])
+    b = [np.asarray(v) for k, v in flat.items() if k.endswith("/b")]
+    # std of n normal draws has standard error std / sqrt(2 n); 5 of them bound it
+    assert abs(a.std() - 1 / 4) < 5 * (1 / 4) / np.sqrt(2 * a.size) and abs(a.mean()) < 5 * (1 / 4) / np.sqrt(a.size)
+    assert all(np.all(x == 0) for x in b)
+    with pytest.raises(ValueError, match="lora_init"):
+        lora.init_adapters(tiny_params, jax.random.PRNGKey(0), rank=4, init="xavier")

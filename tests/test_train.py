@@ -18,7 +18,8 @@ from tests.conftest import load_config
 
 TINY = {"sampler.num_steps": 3, "train.iterations": 4, "train.prompts_per_iteration": 2, "train.group_size": 4,
         "train.minibatches": 2, "train.lr": 1e-3, "objective.grpo.clip_range": 0.2, "eval.at_start": False, "eval.every": 0,
-        "eval.per_category": 1, "eval.num_steps": 2, "eval.batch_size": 8, "checkpoint.every": 1}
+        "eval.per_category": 1, "eval.num_steps": 2, "eval.batch_size": 8, "checkpoint.every": 1,
+        "train.lora_rank": 0, "sampler.sde_window": (), "train.ema_every": 1}  # the whole DiT, every step trained
 
 
 @pytest.fixture
@@ -40,19 +41,27 @@ def _state(workdir, step=None):
 
 
 def test_train_writes_tables_metrics_grids_and_report(base, tmp_path, capsys):
-    out = _run(base, tmp_path, **{"train.iterations": 2, "eval.at_start": True})
+    out = _run(base, tmp_path, **{"train.iterations": 2, "eval.at_start": True, "train.ema_every": 8})
     assert out["step"] == 2 and [e["step"] for e in out["evals"]] == [0, 2]
     for name in ("eval.json", "report.png", "eval_000000.png", "eval_000002.png", "metrics.jsonl"):
         assert os.path.isfile(tmp_path / name), name
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     train_rows = [r for r in rows if "reward" in r]
     assert len(train_rows) == 2 and {"clipfrac", "approx_kl", "kl", "grad_norm", "update_norm", "param_norm",
-                                     "ratio_mean/step_0", "ratio_std/step_2"} <= set(train_rows[0])
+                                     "ratio_mean/step_0", "ratio_std/step_2", "clipfrac/step_1", "alignment_heldout"} <= set(train_rows[0])
+    # The same-noise change (the last iteration): every step is trained here, so all of it comes through trained steps;
+    # the two rollouts differ only in how XLA compiles the same velocity (inside lax.cond or not), float32 rounding of
+    # O(1) latents over 3 steps: 1e-6.
+    change = train_rows[-1]
+    assert change["image_change/total"] > 1e-4 and abs(change["image_change/trained_steps"] - change["image_change/total"]) < 1e-6
+    assert change["image_change/untrained_steps"] < 1e-6
     assert "GenEval-style table, step 0 -> 2" in capsys.readouterr().out
     state = _state(str(tmp_path))
     _, base_params, _ = assets.load_pipeline(base)
     moved = jax.tree_util.tree_map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), state["params"], base_params["dit"])
     assert max(jax.tree_util.tree_leaves(moved)) > 1e-4  # the policy was updated
+    # EMA every 8 optimizer steps (Flow-GRPO's cadence): after 2 iterations x 2 minibatches it has not moved yet
+    chex.assert_trees_all_equal(state["ema"], jax.tree_util.tree_map(np.asarray, base_params["dit"]))
 
 
 def _damage(step_folder):

@@ -13,10 +13,15 @@ beta, ratio, kl_form, lambda_control.
 - Ratio per sample (Flow-GRPO default): `rho = exp(mean_k l_theta - mean_k l_old)` with the token-mean
   advantage; per token (`ratio="token"`, what spatial credit needs): `rho[k] = exp(l_theta[k] - l_old[k])`.
 - `L = -mean[min(rho A, clip(rho, 1 - eps, 1 + eps) A)] + beta KL`; the mean is over pairs (and tokens).
-- `KL = mean_e (mu_theta - mu_ref)^2 / (2 std^2)`, the exact KL between the two Gaussian kernels;
-  `kl_form="flow_grpo"` divides by the std without its `sqrt(-dt)` factor, as Flow-GRPO's code does.
-- Reported: clipfrac, approx_kl (`0.5 mean (log rho)^2`), the KL, the ratio's mean/std per step, and
-  the path variance `V_t` per step, measured and predicted (below), for every run.
+- `KL = mean_e (mu_theta - mu_ref)^2 / (2 s^2)`: `kl_form="flow_grpo"` (default, Flow-GRPO's code) takes
+  `s` = the kernel's std without its `sqrt(-dt)` factor; `"exact"` the std itself, the exact KL between the
+  two Gaussian kernels (larger by `1 / (sigma - sigma_next)`, ~9x at shift 1, 10 steps, for the same beta).
+- `detach_uncond` (default, as Flow-GRPO): the policy's kernel mean takes no gradient through CFG's
+  unconditional branch (`rollout.guided`), which also halves the backward pass's batch.
+- Reported: clipfrac (overall and per step), approx_kl (`0.5 mean (log rho)^2`), the KL, the ratio's
+  mean/std per step, the path variance `V_t` per step, measured and predicted (below), and `alignment`,
+  the correlation of advantage and log-ratio over the minibatch's pairs (the train loop keeps it for
+  pairs no update has seen yet: `alignment_heldout`).
 
 lambda-controlled GRPO (`lambda_control=True`, `configs/lambda_grpo.py`, SPEC §4). With `dmu = mu_theta - mu_old`
 the mean-reduced log-ratio has mean `-V/2` and variance `V/D`, `V = mean_e(dmu^2) / std^2`. Measured:
@@ -38,7 +43,8 @@ import numpy as np
 from flowrl_jax.models.mmdit import patchify
 from flowrl_jax.sampling import kernels
 
-DEFAULTS = {"clip_range": 1e-4, "beta": 0.04, "ratio": "sample", "kl_form": "exact", "lambda_control": False}
+DEFAULTS = {"clip_range": 1e-4, "beta": 0.04, "ratio": "sample", "kl_form": "flow_grpo", "lambda_control": False,
+            "detach_uncond": True}
 RATIOS = ("sample", "token")
 KL_FORMS = ("exact", "flow_grpo")
 AFFINE_KINDS = ("sde", "cps")
@@ -115,6 +121,18 @@ def effort_weights(kind: str, mb: dict):
     return (1.0 / step_cost(kind, mb["sigma"], mb["sigma_next"], mb["level"], mb["sigma_1"])) / mean_inv
 
 
+def alignment(adv, log_ratio, weight):
+    """Weighted Pearson correlation over pairs of the advantage `adv [M]` and the log-ratio `log_ratio [M]`
+    (log pi_theta - log pi_old), `weight [M]`; 0 when either is constant (the first, on-policy minibatch).
+    On pairs that no update has seen yet it says whether the updates so far moved the policy toward the
+    advantages (+1) or at random (about 0, within `1 / sqrt(M)`)."""
+    total = jnp.maximum(weight.sum(), 1e-8)
+    center = lambda a: a - jnp.sum(weight * a) / total  # noqa: E731
+    a, r = center(adv), center(log_ratio)
+    cov, var_a, var_r = (jnp.sum(weight * u * v) for u, v in ((a, r), (a, a), (r, r)))
+    return jnp.where((var_a > 0) & (var_r > 0), cov / jnp.sqrt(jnp.maximum(var_a * var_r, 1e-30)), 0.0)
+
+
 def clipped_loss(params, ref_params, mb: dict, fns, options) -> tuple[jax.Array, dict]:
     """-> (loss, aux) for `options` with fields clip_range, beta, ratio, kl_form, lambda_control, patch_size,
     logprob_form, num_steps, kernel (module doc); `lambda_control` adds SPEC §4's (i)-(iv)."""
@@ -172,6 +190,8 @@ def clipped_loss(params, ref_params, mb: dict, fns, options) -> tuple[jax.Array,
     sample_ratio = jnp.exp(log_ratio.mean(-1))
     ratio_mean, ratio_std = _per_step(sample_ratio, w, mb["step"], options.num_steps)
     aux = {"policy_loss": policy_loss, "kl": kl, "clipfrac": jnp.sum(w * clipped) / total_w,
+           "clipfrac_per_step": _per_step(clipped, w, mb["step"], options.num_steps)[0],
+           "alignment": alignment(adv.mean(-1), jax.lax.stop_gradient(log_ratio.mean(-1)), w),
            "approx_kl": jnp.sum(w * 0.5 * jnp.square(log_ratio).mean(-1)) / total_w,
            "ratio_mean_per_step": ratio_mean, "ratio_std_per_step": ratio_std,
            "path_variance_per_step": v_step, "path_variance_pred_per_step": _per_step(v_pred, w, mb["step"], options.num_steps)[0],

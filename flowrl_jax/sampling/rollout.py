@@ -49,13 +49,18 @@ class Rollout:
         return self.noise_levels > 0
 
 
-def guided(velocity_fn: Callable, cond: Any, null_cond: Any, cfg: float) -> Callable:
+def guided(velocity_fn: Callable, cond: Any, null_cond: Any, cfg: float, detach_uncond: bool = False) -> Callable:
     """`(x, sigma [B]) -> v_u + cfg (v_c - v_u)` (SPEC §0), both branches in one doubled batch;
-    `velocity_fn(x, sigma, cond) -> v`. cfg == 1 skips the unconditional branch."""
+    `velocity_fn(x, sigma, cond) -> v`. cfg == 1 skips the unconditional branch. `detach_uncond`
+    (Flow-GRPO's training forward): no gradient through `v_u`, and the two branches run as two
+    batches so that the backward pass covers the conditional one only."""
 
     def velocity(x, sigma):
         if cfg == 1.0:
             return velocity_fn(x, sigma, cond)
+        if detach_uncond:
+            v_c, v_u = velocity_fn(x, sigma, cond), jax.lax.stop_gradient(velocity_fn(x, sigma, null_cond))
+            return v_u + cfg * (v_c - v_u)
         b = x.shape[0]
         both = jax.tree_util.tree_map(lambda c, u: jnp.concatenate([c, u]), cond, null_cond)
         v = velocity_fn(jnp.concatenate([x, x]), jnp.concatenate([sigma, sigma]), both)

@@ -1,0 +1,133 @@
+"""Signal-to-noise of Flow-GRPO's policy gradient against batch size, at the base model (issue 16).
+
+    python benchmarks/gradient_snr.py [--config configs/quickstart.py] [--groups 64] [--null] [--set sampler.cfg=1.0]
+
+A group is one train prompt x G images (the config's group size, sampler, SDE window), drawn as the train loop
+draws them. For K groups, each group's on-policy gradient `g_k` of the objective (ratio 1, so the policy term is
+`-mean_pairs A grad l`; the KL's gradient is 0 at the reference) w.r.t. the trainable params (the LoRA adapters),
+with advantages normalized over all K groups (the config's global std). With `mu = E g` and covariance `Sigma`
+over groups:
+- `||mu||^2` is estimated without bias as `||mean_k g_k||^2 - tr(S) / K` (S the sample covariance), with a
+  bootstrap 95% interval over groups;
+- a batch of n groups has gradient SNR `||mu||^2 / (tr Sigma / n)`, so `n* = tr Sigma / ||mu||^2` groups give SNR 1:
+  the smallest batch whose update is more signal than noise;
+- `transfer`: the mean cosine of a group's gradient with the mean of the other groups' (how much an update on
+  some prompts moves the policy for the others; 0 for unrelated directions).
+With `--null` the advantages are shuffled within each group first (the null control): `||mu||^2` must then be 0
+within its interval, which checks the estimator. Prints a line and appends it to
+`benchmarks/results/gradient_snr.json`.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import platform
+import runpy
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+
+from flowrl_jax import credit as credit_lib, parallel, worlds
+from flowrl_jax.credit import group
+from flowrl_jax.policy import policy_fns
+from flowrl_jax.steps import Steps, sampler_levels
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def group_gradients(config, num_groups: int, null: bool, seed: int) -> np.ndarray:
+    """[K, P] the per-group on-policy gradients (module doc), flattened."""
+    t = config.train
+    mesh = parallel.make_mesh(config.mesh)
+    world = worlds.build(config)
+    dit, base = world.load()
+    credit = credit_lib.build(("uniform",), config.credit, config.advantage.global_std, config.advantage.clip)
+    steps = Steps(config, mesh, world, dit, base, credit)
+    reward_fn = world.reward_fn(t.rewards)
+    per_rollout = t.prompts_per_iteration
+    rollouts, rewards = [], []
+    for r in range((num_groups + per_rollout - 1) // per_rollout):
+        drawn = world.sample_prompts(per_rollout, np.random.default_rng([seed, r]))
+        prompts = [world.train_prompts[i] for i in drawn for _ in range(t.group_size)]
+        ids, mask = parallel.shard_batch(world.tokenize(prompts), mesh)
+        ro, cond, null_cond = steps.rollout(steps.state.params, steps.frozen, ids, mask, jax.random.PRNGKey(1000 * seed + r))
+        rollouts.append((ro, cond, null_cond))
+        rewards.append(np.asarray(reward_fn(np.asarray(world.decode(steps.frozen, ro.final)), prompts)[0], np.float32))
+    reward = np.concatenate(rewards)
+    group_ids = np.repeat(np.arange(len(reward) // t.group_size), t.group_size)
+    adv = group.group_advantages(jnp.asarray(reward), jnp.asarray(group_ids), len(reward) // t.group_size,
+                                 config.advantage.global_std, config.advantage.clip)
+    if null:
+        adv = group.permute_within_groups(adv, jnp.asarray(group_ids), jax.random.PRNGKey(seed + 7))
+    adv = np.asarray(adv)
+    objective, options, policy = steps.objective, steps.options, steps.policy
+    fns = policy_fns(policy, config.sampler, None, None, options.get("detach_uncond", False))
+
+    @jax.jit
+    def grad(params, frozen, data, rows, slots, weight):
+        mb = objective.pairs(data, rows, slots, weight, jax.random.PRNGKey(0), options)
+        loss = lambda p: objective.loss(policy.variables(p, frozen["dit"]), {"params": frozen["dit"]}, mb, fns, options)[0]  # noqa: E731
+        return ravel_pytree(jax.grad(loss)(params))[0]
+
+    grads = []
+    batch = per_rollout * t.group_size
+    for k in range(num_groups):
+        ro, cond, null_cond = rollouts[k // per_rollout]
+        first = (k % per_rollout) * t.group_size
+        rows, slots = np.meshgrid(np.arange(first, first + t.group_size), steps.slots, indexing="ij")
+        a = np.zeros((batch, 1, 1), np.float32)
+        a[:, 0, 0] = adv[(k // per_rollout) * batch:(k // per_rollout + 1) * batch]
+        data = {"rollout": ro, "adv": jnp.asarray(a), "cond": cond, "null": null_cond}
+        grads.append(np.asarray(grad(steps.state.params, steps.frozen, data, rows.ravel().astype(np.int32),
+                                     slots.ravel().astype(np.int32), np.ones(rows.size, np.float32))))
+    return np.stack(grads), reward
+
+
+def signal_and_noise(g: np.ndarray, rng: np.random.Generator, boots: int = 200) -> dict:
+    """Unbiased ||mu||^2, tr Sigma, n* and the leave-one-out transfer from per-group gradients `g [K, P]`."""
+    def mu2_and_trace(x):
+        k = x.shape[0]
+        trace = float(((x - x.mean(0)) ** 2).sum() / (k - 1))
+        return float((x.mean(0) ** 2).sum()) - trace / k, trace
+
+    mu2, trace = mu2_and_trace(g)
+    boot = [mu2_and_trace(g[rng.integers(0, len(g), len(g))])[0] for _ in range(boots)]
+    total = g.sum(0)
+    others = (total[None] - g) / (len(g) - 1)
+    cos = (g * others).sum(1) / (np.linalg.norm(g, axis=1) * np.linalg.norm(others, axis=1) + 1e-30)
+    return {"mu2": mu2, "mu2_ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))], "trace_sigma": trace,
+            "groups_for_snr_1": trace / mu2 if mu2 > 0 else float("inf"), "transfer_cosine": float(cos.mean()),
+            "transfer_cosine_se": float(cos.std(ddof=1) / np.sqrt(len(cos)))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/quickstart.py")
+    parser.add_argument("--groups", type=int, default=64)
+    parser.add_argument("--null", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", action="append", default=[], help="a config override key=value (Python literal), repeatable")
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "gradient_snr.json"))
+    args = parser.parse_args()
+    config = runpy.run_path(os.path.join(ROOT, args.config))["get_config"]("")
+    overrides = {k: ast.literal_eval(v) for k, v in (s.split("=", 1) for s in args.set)}
+    config.update_from_flattened_dict(overrides)
+    t0 = time.time()
+    g, reward = group_gradients(config, args.groups, args.null, args.seed)
+    out = {"config": args.config, "overrides": overrides, "null": args.null, "groups": args.groups, "seed": args.seed,
+           "group_size": config.train.group_size, "trained_steps": int(np.sum(np.asarray(sampler_levels(config.sampler)) > 0)),
+           "reward_mean": float(reward.mean()),
+           **signal_and_noise(g, np.random.default_rng(args.seed)), "wall_s": time.time() - t0, "platform": platform.platform()}
+    print(json.dumps(out))
+    runs = json.load(open(args.out)) if os.path.exists(args.out) else []
+    with open(args.out, "w") as f:
+        json.dump(runs + [out], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
