@@ -40,6 +40,8 @@ METHODS = {"flow_grpo": "configs/quickstart.py", "spatial": "configs/spatial.py"
            "leapalign": "configs/leapalign.py"}
 ENTRIES = {name: (path, {}) for name, path in METHODS.items()}
 ENTRIES["flow_grpo_null"] = (METHODS["flow_grpo"], {"advantage.null_control": True})
+ENTRIES["flow_grpo_upstream"] = ("configs/flow_grpo.py", {})  # upstream's recipe (192 images, steps 0-8) at this budget
+ENTRIES["flow_grpo_upstream_null"] = ("configs/flow_grpo.py", {"advantage.null_control": True})
 # The levers of issue 16 on Flow-GRPO (WORKSPACE_NOTES.md "Making the policy gradient learn"): name -> overrides.
 LEVERS = {
     "grpo_cfg1": {"sampler.cfg": 1.0},
@@ -48,6 +50,7 @@ LEVERS = {
     "grpo_p16_mb1": {"train.prompts_per_iteration": 16, "train.minibatches": 1},
     "grpo_window9": {"sampler.sde_window": (0, 9), "sampler.same_noise_per_group": False, "train.minibatches": 4},
     "grpo_epochs4": {"train.num_inner_epochs": 4},
+    "grpo_strict_weighted": {"train.rewards": (("shapes_score", 1.0), ("shapes_strict", 1.0))},
 }
 for _name, _overrides in LEVERS.items():
     ENTRIES[_name] = (METHODS["flow_grpo"], _overrides)

@@ -137,7 +137,8 @@ def make_image_change_fn(policy: Policy, world, config) -> Callable:
     update moved the final latents of the first `config.diagnostics.image_change_samples` prompts, at the same
     noise (RMS over elements): with `after` on every step (total), on the trained (SDE-window) steps only
     with `before` elsewhere, and the rest (`after` everywhere against `after` on the trained steps only)."""
-    s, n = config.sampler, config.diagnostics.image_change_samples
+    s, t = config.sampler, config.train
+    n = min(config.diagnostics.image_change_samples, t.prompts_per_iteration * t.group_size)
     sigmas, levels = schedule.sigmas(s.num_steps, s.shift), sampler_levels(s)
     trained_sigmas = np.asarray(sigmas)[:-1][np.asarray(levels) > 0]
 
