@@ -34,7 +34,7 @@ import numpy as np
 from scipy import stats as scipy_stats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METHODS = {"flow_grpo": "configs/quickstart.py", "spatial": "configs/spatial.py", "stepwise": "configs/stepwise.py",
+METHODS = {"flow_grpo": "configs/flow_grpo_cpu.py", "spatial": "configs/spatial.py", "stepwise": "configs/stepwise.py",
            "tp_grpo": "configs/tp_grpo.py", "lambda_grpo": "configs/lambda_grpo.py", "adagrpo": "configs/adagrpo.py",
            "lc_grpo": "configs/lc_grpo.py", "advantage_flow": "configs/advantage_flow.py", "nft": "configs/nft.py",
            "leapalign": "configs/leapalign.py"}

@@ -1,6 +1,6 @@
 """Signal-to-noise of Flow-GRPO's policy gradient against batch size, at the base model (issue 16).
 
-    python benchmarks/gradient_snr.py [--config configs/quickstart.py] [--groups 64] [--null] [--set sampler.cfg=1.0]
+    python benchmarks/gradient_snr.py [--config configs/flow_grpo_cpu.py] [--groups 64] [--null] [--set sampler.cfg=1.0]
 
 A group is one train prompt x G images (the config's group size, sampler, SDE window), drawn as the train loop
 draws them. For K groups, each group's on-policy gradient `g_k` of the objective (ratio 1, so the policy term is
@@ -109,7 +109,7 @@ def signal_and_noise(g: np.ndarray) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/quickstart.py")
+    parser.add_argument("--config", default="configs/flow_grpo_cpu.py")
     parser.add_argument("--groups", type=int, default=64)
     parser.add_argument("--null", action="store_true")
     parser.add_argument("--seed", type=int, default=0)

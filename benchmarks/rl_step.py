@@ -1,6 +1,6 @@
-"""Throughput of one Flow-GRPO iteration's parts for a train config (default: the quickstart).
+"""Throughput of one Flow-GRPO iteration's parts for a train config (default: Flow-GRPO at the CPU budget).
 
-    python benchmarks/rl_step.py [--config configs/quickstart.py] [--repeats 3]
+    python benchmarks/rl_step.py [--config configs/flow_grpo_cpu.py] [--repeats 3]
 
 Times (medians of `--repeats` after one warm-up call, `block_until_ready`) the jit-compiled rollout
 (B = prompts x group images, T steps, CFG, the SDE window) and one update (a minibatch of (sample, step)
@@ -35,7 +35,7 @@ def _median(fn, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/quickstart.py")
+    parser.add_argument("--config", default="configs/flow_grpo_cpu.py")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "rl_step.json"))
     args = parser.parse_args()
