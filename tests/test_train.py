@@ -19,7 +19,8 @@ from tests.conftest import load_config
 TINY = {"sampler.num_steps": 3, "train.iterations": 4, "train.prompts_per_iteration": 2, "train.group_size": 4,
         "train.minibatches": 2, "train.lr": 1e-3, "objective.grpo.clip_range": 0.2, "eval.at_start": False, "eval.every": 0,
         "eval.per_category": 1, "eval.num_steps": 2, "eval.batch_size": 8, "checkpoint.every": 1,
-        "train.lora_rank": 0, "sampler.sde_window": (), "train.ema_every": 1}  # the whole DiT, every step trained
+        "train.lora_rank": 0, "sampler.sde_window": (), "train.ema_every": 1,  # the whole DiT, every step trained
+        "diagnostics.image_change_every": 0}  # three more rollouts to compile per run: only where a test checks them
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ def _state(workdir, step=None):
 
 
 def test_train_writes_tables_metrics_grids_and_report(base, tmp_path, capsys):
-    out = _run(base, tmp_path, **{"train.iterations": 2, "eval.at_start": True, "train.ema_every": 8})
+    out = _run(base, tmp_path, **{"train.iterations": 2, "eval.at_start": True, "train.ema_every": 8, "diagnostics.image_change_every": 2})
     assert out["step"] == 2 and [e["step"] for e in out["evals"]] == [0, 2]
     for name in ("eval.json", "report.png", "eval_000000.png", "eval_000002.png", "metrics.jsonl"):
         assert os.path.isfile(tmp_path / name), name
