@@ -10,11 +10,11 @@ def test_student_and_welch_intervals_match_scipy():
     a, b = np.array([0.31, 0.28, 0.35]), np.array([0.25, 0.27, 0.22, 0.24])
     mean, half = compare_methods.interval(a)
     lo, hi = stats.t.interval(0.95, 2, loc=a.mean(), scale=stats.sem(a))
-    np.testing.assert_allclose([mean - half, mean + half], [lo, hi], rtol=1e-12)
+    np.testing.assert_allclose([mean - half, mean + half], [lo, hi], rtol=1e-12)  # the same float64 formula: rounding only
     diff, half = compare_methods.welch(a, b)
     res = stats.ttest_ind(a, b, equal_var=False)
     ci = res.confidence_interval(0.95)
-    np.testing.assert_allclose([diff - half, diff + half], [ci.low, ci.high], rtol=1e-10)
+    np.testing.assert_allclose([diff - half, diff + half], [ci.low, ci.high], rtol=1e-10)  # float64; scipy's dof rearranged
     assert np.isnan(compare_methods.interval([0.3])[1])  # one seed: no interval, said so in the table
 
 
@@ -35,5 +35,4 @@ def test_signal_estimate_is_unbiased_and_its_interval_covers():
     assert abs(np.mean(est) - truth) < 4 * np.std(est) / np.sqrt(400)
     assert np.mean(naive) - truth > 0.8 * 200 / 32  # the bias the U-statistic removes
     assert np.mean(covered) >= 0.88
-    # tr(S) / 200 averages 200 chi-square(31) / 31 draws: sd sqrt(2 / 31 / 200) = 0.018, and rtol 0.15 is 8 of those
-    np.testing.assert_allclose(out["trace_sigma"], 200, rtol=0.15)
+    np.testing.assert_allclose(out["trace_sigma"], 200, rtol=0.15)  # mean of 200 chi2(31)/31: sd 0.018, 0.15 is 8 sd

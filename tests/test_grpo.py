@@ -137,7 +137,8 @@ def test_null_control_permutes_within_groups_uniformly_and_zeroes_the_expected_g
     perms = jax.vmap(lambda k: group.permute_within_groups(a, g, k))(jax.random.split(jax.random.PRNGKey(0), 4000))
     for k in range(3):  # each group keeps its own values
         np.testing.assert_allclose(np.sort(np.asarray(perms)[:, np.asarray(g) == k], 1),
-                                   np.broadcast_to(np.sort(np.asarray(a)[np.asarray(g) == k]), (4000, int((g == k).sum()))), rtol=1e-6)
+                                   np.broadcast_to(np.sort(np.asarray(a)[np.asarray(g) == k]), (4000, int((g == k).sum()))),
+                                   rtol=1e-6)  # the same float32 values moved, not recomputed: equal up to nothing
     # Uniform over the 4! orders of group 0's rows: each order's frequency within 4 binomial standard errors of 1/24.
     rows0 = np.flatnonzero(np.asarray(g) == 0)
     order = np.argsort(np.argsort(np.asarray(perms)[:, rows0], 1), 1) @ (4 ** np.arange(4))
@@ -158,7 +159,7 @@ def test_alignment_is_one_on_aligned_log_ratios_and_about_zero_on_noise():
     w = jnp.ones(4000).at[-100:].set(0.0)  # padding pairs do not count
     aligned = jnp.where(w > 0, 3e-5 * adv, 7.0)
     np.testing.assert_allclose(grpo.alignment(adv, aligned, w), 1.0, atol=1e-5)  # float32 sums of 4k terms
-    np.testing.assert_allclose(grpo.alignment(adv, -aligned, w), -1.0, atol=1e-5)
+    np.testing.assert_allclose(grpo.alignment(adv, -aligned, w), -1.0, atol=1e-5)  # float32 sums of 4k terms (above)
     noise = jax.random.normal(jax.random.PRNGKey(1), (4000,))
     assert abs(float(grpo.alignment(adv, noise, w))) < 4 / np.sqrt(3900)  # 4 standard errors of a null correlation
     assert float(grpo.alignment(adv, jnp.zeros(4000), w)) == 0.0  # the first (on-policy) minibatch
@@ -178,7 +179,7 @@ def test_detached_unconditional_branch_takes_the_gradient_of_the_conditional_one
     fn = lambda th: (lambda xx, s, c: th * c * xx)  # noqa: E731  v = theta * cond * x
     cond, null = jnp.full((2, 1), 2.0), jnp.full((2, 1), 0.5)
     value = lambda th, detach: rollout.guided(fn(th), cond, null, cfg, detach)(x, sigma).sum()  # noqa: E731
-    np.testing.assert_allclose(value(1.3, True), value(1.3, False), rtol=1e-6)  # the same velocity
+    np.testing.assert_allclose(value(1.3, True), value(1.3, False), rtol=1e-6)  # the same velocity, float32 rounding
     # v = (1 - cfg) theta u x + cfg theta c x: d/dtheta sums to 4 ((1 - cfg) 0.5 + cfg 2) in full, 4 cfg 2 detached.
-    np.testing.assert_allclose(jax.grad(value)(1.3, False), 4 * ((1 - cfg) * 0.5 + cfg * 2.0), rtol=1e-6)
-    np.testing.assert_allclose(jax.grad(value)(1.3, True), 4 * cfg * 2.0, rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(value)(1.3, False), 4 * ((1 - cfg) * 0.5 + cfg * 2.0), rtol=1e-6)  # 4-term float32 sums
+    np.testing.assert_allclose(jax.grad(value)(1.3, True), 4 * cfg * 2.0, rtol=1e-6)  # 4-term float32 sums

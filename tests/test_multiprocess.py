@@ -68,7 +68,7 @@ def test_two_processes_agree_with_one_and_resume(smoke_base, tmp_path):
     # up to ~16k terms reduced in another order across devices and processes; a wrong row or an unreduced gradient is O(1).
     for key in ("reward", "reward_std", "loss", "policy_loss", "kl", "clipfrac", "grad_norm"):
         # rtol 2e-3 >= K eps = 16e3 x 1.2e-7 for sums of <= ~16k terms in another order; atol 1e-6 for values near 0
-        np.testing.assert_allclose(rows[0][key], rows[1][key], rtol=2e-3, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(rows[0][key], rows[1][key], rtol=2e-3, atol=1e-6, err_msg=key)  # derived on the line above
     a, b = _state(two), _state(one)
     diffs = np.concatenate([np.abs(np.asarray(x) - np.asarray(y)).ravel()
                             for x, y in zip(jax.tree_util.tree_leaves(a["params"]), jax.tree_util.tree_leaves(b["params"]))])
