@@ -73,7 +73,8 @@ def train_config() -> ConfigDict:
     cfg.curriculum = dict(curriculum.DEFAULTS)  # AdaGRPO's prompt curriculum, SPEC §5 (enabled=False)
     cfg.objective = objectives.config_fields()  # name: grpo | advantage_flow | nft | leapalign; one sub-dict per objective, SPEC §4, §6
     cfg.eval = dict(every=50, at_start=True, per_category=0, samples_per_prompt=1, batch_size=210, num_steps=20, cfg=3.0, shift=1.0,
-                    learned_reward=False, noise_seed=1)  # noise_seed: the eval's initial noise, the same for every run and seed  # learned_reward: also score the eval images with the shipped learned reward
+                    learned_reward=False, noise_seed=1)  # learned_reward: also score the eval images with the shipped learned
+    # reward; noise_seed: the eval's initial noise, the same for every run and seed (so evals of runs pair up)
     cfg.checkpoint = dict(every=25, keep=3)
     # image_change: every this many iterations (0: never), how far the iteration's update moved the final latents of
     # the first `image_change_samples` rows at the same noise, split into trained and untrained steps (steps.make_image_change_fn)
