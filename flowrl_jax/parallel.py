@@ -108,6 +108,29 @@ def batch_sharding(mesh: jax.sharding.Mesh, axes: Sequence[str] = BATCH_AXES) ->
     return NamedSharding(mesh, P(present))
 
 
+def batch_shards(mesh: jax.sharding.Mesh, axes: Sequence[str] = BATCH_AXES) -> int:
+    """How many pieces `batch_sharding` cuts the leading axis into (the product of the batch axes' sizes)."""
+    return int(np.prod([mesh.shape[a] for a in axes if a in mesh.shape]))
+
+
+def to_row_chunks(x: jax.Array, num_chunks: int, shards: int) -> jax.Array:
+    """[B, ...] batch-sharded in `shards` contiguous pieces -> [num_chunks, B / num_chunks, ...], chunk `i`
+    holding rows `i * per .. (i + 1) * per - 1` of every piece (`per = B / (shards * num_chunks)`): every chunk
+    spans every shard, so a `lax.map` over the chunks moves no data between devices. `from_row_chunks` inverts."""
+    b = x.shape[0]
+    if b % (shards * num_chunks):
+        raise ValueError(f"a batch of {b} rows cannot be cut into {num_chunks} chunks over {shards} batch shards")
+    per = b // (shards * num_chunks)
+    return x.reshape((shards, num_chunks, per) + x.shape[1:]).swapaxes(0, 1).reshape((num_chunks, shards * per) + x.shape[1:])
+
+
+def from_row_chunks(x: jax.Array, shards: int) -> jax.Array:
+    """[num_chunks, C, ...] -> [num_chunks * C, ...], the inverse of `to_row_chunks`."""
+    n, c = x.shape[:2]
+    per = c // shards
+    return x.reshape((n, shards, per) + x.shape[2:]).swapaxes(0, 1).reshape((n * c,) + x.shape[2:])
+
+
 def shard_batch(batch: Any, mesh: jax.sharding.Mesh, axes: Sequence[str] = BATCH_AXES) -> Any:
     """Place a host batch (pytree of arrays, global batch on the leading axis) onto the mesh.
 

@@ -53,20 +53,40 @@ def make_optimizer(t_cfg) -> optax.GradientTransformation:
                        optax.adamw(t_cfg.lr, b1=0.9, b2=0.999, weight_decay=t_cfg.weight_decay))
 
 
-def make_rollout_fn(policy: Policy, world, config) -> Callable:
-    """jit-able `(trainable, frozen, ids, mask, rng) -> (Rollout, cond, null)`."""
+def make_rollout_fn(policy: Policy, world, config, shards: int = 1) -> Callable:
+    """jit-able `(trainable, frozen, ids, mask, rng) -> (Rollout, cond, null)`. With `train.rollout_chunk`
+    (rows per chunk, 0 = all) the rows are sampled `rollout_chunk` at a time (`lax.map`; each chunk spans the
+    `shards` batch shards, `parallel.to_row_chunks`), so the activations held at once are one chunk's: the
+    memory plan's rollout knob. The initial noise is the whole batch's either way; the step noise of chunk
+    `i` comes from `fold_in(key, i)`, so a chunked rollout is another draw of the same process."""
     s, t = config.sampler, config.train
     sigmas = schedule.sigmas(s.num_steps, s.shift)
     levels = sampler_levels(s)
+    chunk = t.get("rollout_chunk", 0)
 
-    def rollout_fn(trainable, frozen, ids, mask, rng):
+    def rows_rollout(trainable, frozen, ids, mask, x_T, key):
         cond = world.encode(frozen, ids, mask)
         null = world.null_condition(frozen, ids.shape[0])
         velocity = rollout_lib.guided(policy.velocity_fn(policy.sampling_variables(trainable, frozen["dit"])), cond, null, s.cfg)
+        ro = rollout_lib.rollout(velocity, x_T, sigmas, levels, key, s.kind, policy.dit.patch_size, s.logprob_form)
+        return ro, cond, null
+
+    def rollout_fn(trainable, frozen, ids, mask, rng):
         k_noise, k_steps = jax.random.split(rng)
         x_T = rollout_lib.initial_noise(k_noise, world.latent_shape(ids.shape[0]), t.group_size, s.same_noise_per_group)
-        ro = rollout_lib.rollout(velocity, x_T, sigmas, levels, k_steps, s.kind, policy.dit.patch_size, s.logprob_form)
-        return ro, cond, null
+        if not chunk or chunk >= ids.shape[0]:
+            return rows_rollout(trainable, frozen, ids, mask, x_T, k_steps)
+        num_chunks = ids.shape[0] // chunk
+        per_row = jax.tree_util.tree_map(lambda a: parallel.to_row_chunks(a, num_chunks, shards), (ids, mask, x_T))
+
+        def one_chunk(inputs):
+            i, (ids_c, mask_c, x_c) = inputs
+            ro, cond, null = rows_rollout(trainable, frozen, ids_c, mask_c, x_c, jax.random.fold_in(k_steps, i))
+            return ro.replace(sigmas=None, noise_levels=None), cond, null  # per-row parts only
+
+        out = jax.lax.map(one_chunk, (jnp.arange(num_chunks), per_row))
+        ro, cond, null = jax.tree_util.tree_map(lambda a: parallel.from_row_chunks(a, shards), out)
+        return ro.replace(sigmas=sigmas, noise_levels=levels), cond, null
 
     return rollout_fn
 
@@ -102,15 +122,35 @@ def make_credit_fn(credit, drops_zero_advantage: bool, null_control: bool = Fals
     return credit_fn
 
 
-def make_update_fn(policy: Policy, objective, options, optimizer, config, reward_apply: Callable | None = None) -> Callable:
+SHARED_PAIR_FIELDS = ("all_sigmas", "all_levels", "sigma_1", "adv_floor")  # minibatch fields without a pair axis
+
+
+def make_update_fn(policy: Policy, objective, options, optimizer, config, reward_apply: Callable | None = None,
+                   pair_sharding: jax.sharding.NamedSharding | None = None) -> Callable:
     """jit-able `(state, frozen, data, rows, slots, weight) -> (state, stats)`: one optimizer step of the
-    objective on its pairs `(rows[m], slots[m])` of the iteration's `data`."""
+    objective on its pairs `(rows[m], slots[m])` of the iteration's `data`.
+
+    `train.microbatch` (pairs per forward/backward, 0 = the whole minibatch): the minibatch's M pairs run
+    `microbatch` at a time in a `lax.scan` that sums each microbatch's gradient times its share of the weight,
+    `W_j / W`, then one optimizer step (the memory plan's update knob). For losses that are weighted means
+    over pairs (grpo, nft, advantage_flow) this is the whole minibatch's gradient; a statistic over the whole
+    minibatch becomes one per microbatch (lambda control's per-step budget test, LeapAlign's softmax), and the
+    reported stats are the weight-share means of the microbatches' (exact for the loss and weighted means).
+    The objective's randomness is `key` unsplit, or `fold_in(key, j)` for microbatch j. `pair_sharding`: the
+    pairs' sharding (the batch axes), imposed on the minibatch so every device computes its own pairs."""
     fns = policy_fns(policy, config.sampler, reward_apply, options.get("train_cfg", 0.0) or None, options.get("detach_uncond", False))
     ema_decay, ema_every = config.train.ema_decay, config.train.ema_every
+    microbatch = config.train.get("microbatch", 0)
 
-    def update(state: TrainState, frozen, data, rows, slots, weight):
-        key = jax.random.fold_in(jax.random.PRNGKey(config.seed + 2), state.updates)
-        mb = objective.pairs(data, rows, slots, weight, key, options)
+    def constrain(mb, size):
+        if pair_sharding is None or size % parallel.batch_shards(pair_sharding.mesh):
+            return mb
+        return {k: v if k in SHARED_PAIR_FIELDS else jax.tree_util.tree_map(
+            lambda a: jax.lax.with_sharding_constraint(a, pair_sharding) if a.ndim and a.shape[0] == size else a, v)
+            for k, v in mb.items()}
+
+    def value_and_grad(state: TrainState, frozen, data, rows, slots, weight, key):
+        mb = constrain(objective.pairs(data, rows, slots, weight, key, options), rows.shape[0])
         if objective.uses_reward_model:
             mb["reward_params"] = frozen["reward"]
         if objective.old_policy is not None:
@@ -119,7 +159,30 @@ def make_update_fn(policy: Policy, objective, options, optimizer, config, reward
         def loss(trainable):
             return objective.loss(policy.variables(trainable, frozen["dit"]), {"params": frozen["dit"]}, mb, fns, options)
 
-        (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+        return jax.value_and_grad(loss, has_aux=True)(state.params)
+
+    def accumulated(state, frozen, data, rows, slots, weight, key):
+        m = rows.shape[0]
+        if not microbatch or microbatch >= m:
+            return value_and_grad(state, frozen, data, rows, slots, weight, key)
+        if m % microbatch:
+            raise ValueError(f"train.microbatch={microbatch} must divide the minibatch's {m} pairs")
+        total = jnp.maximum(weight.sum(), 1e-8)
+
+        def body(acc, inputs):
+            j, rows_j, slots_j, weight_j = inputs
+            out = value_and_grad(state, frozen, data, rows_j, slots_j, weight_j, jax.random.fold_in(key, j))
+            share = weight_j.sum() / total
+            return jax.tree_util.tree_map(lambda a, x: a + share * x, acc, out), None
+
+        chunks = (jnp.arange(m // microbatch),) + tuple(a.reshape(m // microbatch, microbatch) for a in (rows, slots, weight))
+        shapes = jax.eval_shape(lambda: value_and_grad(state, frozen, data, *(a[0] for a in chunks[1:]), key))
+        zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+        return jax.lax.scan(body, zeros, chunks)[0]
+
+    def update(state: TrainState, frozen, data, rows, slots, weight):
+        key = jax.random.fold_in(jax.random.PRNGKey(config.seed + 2), state.updates)
+        (value, aux), grads = accumulated(state, frozen, data, rows, slots, weight, key)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         n = state.updates + 1
@@ -225,12 +288,12 @@ class Steps:
         self.shardings = parallel.tree_shardings(jax.eval_shape(init_state, rng), mesh, rules, min_size)
         self.state = jax.jit(init_state, out_shardings=self.shardings)(rng)
         data, replicated = parallel.batch_sharding(mesh), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        self.rollout = jax.jit(make_rollout_fn(policy, world, config),
+        self.rollout = jax.jit(make_rollout_fn(policy, world, config, parallel.batch_shards(mesh)),
                                in_shardings=(self.shardings.params, frozen_shardings, data, data, replicated))
         self.credit = jax.jit(make_credit_fn(credit, "step" in objective.offers(options), config.advantage.null_control), static_argnums=3)
         self.complete = jax.jit(make_completion_fn(policy, config), static_argnums=5)
         self.image_change = jax.jit(make_image_change_fn(policy, world, config))
-        self.update = jax.jit(make_update_fn(policy, objective, options, optimizer, config, reward_apply),
+        self.update = jax.jit(make_update_fn(policy, objective, options, optimizer, config, reward_apply, data),
                               out_shardings=(self.shardings, None), donate_argnums=0, compiler_options=compiler.backward_options())
         if objective.old_policy is not None:
             self.update_old_policy = jax.jit(functools.partial(update_old_policy, decay=lambda step: objective.old_policy(step, options)),
@@ -238,6 +301,8 @@ class Steps:
         self.slots = objective.slots(options, np.asarray(sampler_levels(config.sampler)))
         batch = t_cfg.prompts_per_iteration * t_cfg.group_size
         self.minibatch_size = -(-batch * len(self.slots) // t_cfg.minibatches)
+        if t_cfg.get("microbatch", 0):  # a whole number of microbatches (the padding pairs have weight 0)
+            self.minibatch_size = -(-self.minibatch_size // t_cfg.microbatch) * t_cfg.microbatch
         self._reward_gradient = None
 
     def objective_extras(self, prompts_local: list[dict]) -> dict:

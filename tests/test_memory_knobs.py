@@ -1,0 +1,124 @@
+"""The memory plan's knobs (steps.py): the rollout sampled in row chunks (`train.rollout_chunk`) and the update's
+gradient accumulated over microbatches (`train.microbatch`), on the 8-device mesh, against the same computation
+without them."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.scipy.stats import norm
+
+from flowrl_jax import credit as credit_lib, parallel, worlds
+from flowrl_jax.steps import Steps, make_update_fn, minibatches
+from tests.conftest import load_config
+
+EPS = float(np.finfo(np.float32).eps)
+TINY = {"sampler.num_steps": 3, "train.prompts_per_iteration": 2, "train.group_size": 8, "train.minibatches": 1,
+        "objective.grpo.clip_range": 0.2, "sampler.sde_window": (), "train.lora_rank": 0, "mesh": (("data", 4), ("fsdp", 2)),
+        "min_fsdp_size": 64}
+
+
+def _steps(base, **fields):
+    config = load_config("configs/flow_grpo.py", **{"world.base": base, **TINY, **fields})
+    mesh = parallel.make_mesh(config.mesh)
+    world = worlds.build(config)
+    dit, params = world.load()
+    credit = credit_lib.build(config.credit.names, config.credit, config.advantage.global_std, config.advantage.clip)
+    return config, world, Steps(config, mesh, world, dit, params, credit)
+
+
+def _batch(config, world, steps):
+    t = config.train
+    prompts = [world.train_prompts[i] for i in range(t.prompts_per_iteration) for _ in range(t.group_size)]
+    return prompts, parallel.shard_batch(world.tokenize(prompts), steps.mesh)
+
+
+def test_row_chunks_take_rows_from_every_shard_and_invert():
+    x = np.arange(48).reshape(24, 2)
+    chunks = parallel.to_row_chunks(jnp.asarray(x), num_chunks=3, shards=4)  # 4 shards of 6 rows, 2 rows each per chunk
+    expected = np.stack([x[[s * 6 + i * 2 + j for s in range(4) for j in range(2)]] for i in range(3)])
+    np.testing.assert_array_equal(chunks, expected)
+    np.testing.assert_array_equal(parallel.from_row_chunks(chunks, shards=4), x)
+    with pytest.raises(ValueError, match="cannot be cut into 5 chunks over 4 batch shards"):
+        parallel.to_row_chunks(jnp.asarray(x), num_chunks=5, shards=4)
+
+
+def test_a_map_over_row_chunks_of_a_sharded_batch_moves_no_data():
+    mesh = parallel.make_mesh((("data", 4), ("fsdp", 2)))
+    shards = parallel.batch_shards(mesh)
+
+    def f(x):
+        out = jax.lax.map(lambda c: jnp.tanh(c) * 2.0, parallel.to_row_chunks(x, 4, shards))
+        return parallel.from_row_chunks(out, shards)
+
+    sharding = parallel.batch_sharding(mesh)
+    hlo = jax.jit(f, in_shardings=sharding, out_shardings=sharding).lower(jnp.zeros((64, 16))).compile().as_text()
+    for collective in ("all-to-all", "all-gather", "collective-permute", "all-reduce"):
+        assert collective not in hlo, collective
+
+
+def test_chunked_rollout_equals_the_whole_batch_rollout(smoke_base):
+    """ODE rollouts have no step noise: chunked and whole-batch rollouts are the same computation on the same rows,
+    in other batch sizes. The SDE rollout's chunks draw their own step noise; each row's log-prob is still its
+    Gaussian density, and its condition is its own prompt's."""
+    config, world, whole = _steps(smoke_base, **{"sampler.kind": "ode", "sampler.same_noise_per_group": False})
+    _, _, chunked = _steps(smoke_base, **{"sampler.kind": "ode", "sampler.same_noise_per_group": False, "train.rollout_chunk": 8})
+    _, (ids, mask) = _batch(config, world, whole)
+    rng = jax.random.PRNGKey(3)
+    a = whole.rollout(whole.state.params, whole.frozen, ids, mask, rng)
+    b = chunked.rollout(chunked.state.params, chunked.frozen, ids, mask, rng)
+    # 3 Euler steps of a 6-block DiT in float32 at batch 16 vs 8: the matmuls' rows are the same dot products, blocked
+    # differently at most: ~1e3 accumulated roundings of EPS per step relative to the state's scale (the bound of
+    # test_rollout's sharded test, 8 x 2800 EPS). A row taken from another chunk or prompt moves a state by O(1).
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_allclose(x, y, rtol=0, atol=8 * 2800 * EPS * max(np.abs(np.asarray(y)).max(), 1.0))
+
+    config, world, sde = _steps(smoke_base, **{"train.rollout_chunk": 8})
+    _, (ids, mask) = _batch(config, world, sde)
+    ro, cond, _ = sde.rollout(sde.state.params, sde.frozen, ids, mask, rng)
+    p = sde.policy.dit.patch_size
+    std = np.asarray(ro.stds)[:, :, None, None, None]
+    density = norm.logpdf(np.asarray(ro.next_states), np.asarray(ro.means), std)  # [B, T, H, W, C]
+    b_, t_, h, w, c = density.shape
+    per_token = density.reshape(b_, t_, h // p, p, w // p, p, c).sum((3, 5, 6)).reshape(b_, t_, -1) / (p * p * c)
+    # per-token mean log-density: float32 Gaussian terms of size ~|log std| ~ 10, summed over p^2 C = 48 elements
+    np.testing.assert_allclose(ro.logp, per_token, rtol=0, atol=48 * 10 * EPS * 10)
+    expected = world.encode(sde.frozen, ids, mask)
+    np.testing.assert_allclose(cond[0], expected[0], rtol=0, atol=1e-5)  # the same encoder on the same rows (batch 8 vs 16)
+    assert not np.allclose(np.asarray(ro.final[:8]), np.asarray(ro.final[8:16]))
+
+
+def test_microbatched_update_has_the_whole_minibatch_gradient(smoke_base):
+    """One SGD step (lr 1) moves the params by minus the gradient: with 4 microbatches it must equal the gradient of
+    the whole minibatch (grpo's loss is a weighted mean over pairs), and so must the loss and the mean stats."""
+    config, world, steps = _steps(smoke_base)
+    prompts, (ids, mask) = _batch(config, world, steps)
+    ro, cond, null = steps.rollout(steps.state.params, steps.frozen, ids, mask, jax.random.PRNGKey(0))
+    rewards = parallel.shard_batch(np.linspace(0, 1, len(prompts), dtype=np.float32)[::-1].copy(), steps.mesh)
+    gids = parallel.shard_batch(np.repeat(np.arange(2, dtype=np.int32), 8), steps.mesh)
+    adv, _, keep = steps.credit(ro, rewards, gids, 2, steps.state.credit, {}, jax.random.PRNGKey(1))
+    data = {"rollout": ro, "adv": adv, "cond": cond, "null": null}
+    rows, slots, weight = next(minibatches(np.asarray(keep), steps.slots, steps.minibatch_size, np.random.default_rng(0)))
+    weight = weight.copy()
+    weight[-5:] = 0.0  # padding pairs, unevenly spread over the microbatches
+    assert len(rows) == 48
+
+    outs = []
+    for microbatch in (0, 12):
+        cfg = config.copy_and_resolve_references()
+        cfg.train.microbatch = microbatch
+        sgd = optax.sgd(1.0)
+        update = jax.jit(make_update_fn(steps.policy, steps.objective, steps.options, sgd, cfg, None, parallel.batch_sharding(steps.mesh)))
+        state = steps.state.replace(opt_state=sgd.init(steps.state.params))
+        new, stats = update(state, steps.frozen, data, rows, slots, weight)
+        grads = jax.tree_util.tree_map(lambda p, q: np.asarray(p) - np.asarray(q), state.params, new.params)
+        outs.append((np.concatenate([g.ravel() for g in jax.tree_util.tree_leaves(grads)]), stats))
+    (g0, s0), (g1, s1) = outs
+    scale = np.abs(g0).max()
+    assert scale > 0
+    # Float32 sums over the pairs' ~48 x 16 token terms, reassociated into 4 partial sums and the DiT's matmuls at batch
+    # 12 vs 48: |delta| <= K EPS sum|terms| with K ~ 800, i.e. ~1e-4 of sum|terms|, itself within ~10x max|g| here;
+    # so 1e-3 max|g| (measured 2.3e-6). A microbatch lost, counted twice or given the wrong share moves the gradient by ~1/4 of it.
+    np.testing.assert_allclose(g1, g0, rtol=0, atol=1e-3 * scale)
+    for key in ("loss", "policy_loss", "kl", "clipfrac", "approx_kl"):
+        np.testing.assert_allclose(s1[key], s0[key], rtol=1e-4, atol=1e-7, err_msg=key)  # the same weighted means, reassociated
