@@ -17,14 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from flowrl_jax.models.clip_text import CLIPTextEncoder
+from flowrl_jax.models.sd3 import SD35_MEDIUM
 from flowrl_jax.models.t5 import T5Encoder
 
 # SD3.5's text_encoder / text_encoder_2 / text_encoder_3 config.json values (the hyper-parameters that set the shapes).
-CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, projection_dim=768, num_hidden_layers=12,
-              num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu", layer_norm_eps=1e-5, eos_token_id=2)
-CLIP_G = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, projection_dim=1280, num_hidden_layers=32,
-              num_attention_heads=20, max_position_embeddings=77, hidden_act="gelu", layer_norm_eps=1e-5, eos_token_id=2)
-T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64)
+CLIP_L, CLIP_G, T5_XXL = (SD35_MEDIUM[k] for k in ("clip_l", "clip_g", "t5"))
 JOINT_DIM, POOLED_DIM, CLIP_TOKENS = 4096, 2048, 77
 
 

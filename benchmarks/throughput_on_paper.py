@@ -24,14 +24,13 @@ import jax.numpy as jnp
 
 from flowrl_jax.models import flops, presets
 from flowrl_jax.models.mmdit import MMDiT
+from flowrl_jax.models.sd3 import SD35_MEDIUM
 from flowrl_jax.models.vae import AutoencoderKL
 
 # Peak dense bf16 FLOP/s per chip, from the vendors' spec sheets.
 CHIPS = {"TPU v5p": 459e12, "TPU v6e": 918e12, "H100/H200 SXM": 989e12, "A100": 312e12}
 SLICES = {"v5p-64 (32 chips)": ("TPU v5p", 32), "v6e-64 (64 chips)": ("TPU v6e", 64), "32 x H100 (flow_grpo's count)": ("H100/H200 SXM", 32)}
-SD3_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-               block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16, norm_num_groups=32,
-               scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False)
+SD3_VAE = SD35_MEDIUM["vae"]
 TEXT_GFLOP = 1310.2  # per row, T5 at 128 tokens: benchmarks/text_cache.py
 
 

@@ -10,6 +10,8 @@ from ml_collections import ConfigDict
 from flowrl_jax import credit, objectives, worlds
 from flowrl_jax.data import curriculum
 from flowrl_jax.models.presets import PRESETS
+
+PRESETS_SD35M = PRESETS["sd35_medium"]
 from flowrl_jax.parallel import DEFAULT_RULES
 
 
@@ -119,3 +121,24 @@ def sd35m_train_config(rewards=(("jpeg_compressibility", 1.0),), beta: float = 0
     cfg.mesh = (("data", 1), ("fsdp", -1))  # FSDP over every device: the DiT, CLIPs and T5-XXL sharded
     cfg.partition_rules = ((r"(kernel|embedding)$", "fsdp"), (r".*", "replicate"))
     return cfg
+
+
+# The memory plan of `sd35m_train_config()` per target (`benchmarks/memory_plan.py` measures each; README "Memory plan"):
+# devices and memory per device (vendor figures, GB), and the knobs: rows sampled and decoded at a time
+# (`train.rollout_chunk`, global), pairs per forward/backward (`train.microbatch`, global), remat per MMDiT block.
+MEMORY_PLANS = {
+    "v5p-8": dict(devices=4, memory_gb=95, rollout_chunk=32, microbatch=16, remat=True),
+    "v6e-8": dict(devices=8, memory_gb=32, rollout_chunk=16, microbatch=8, remat=True),
+    "gpu": dict(devices=1, memory_gb=80, also_gb=(141,), rollout_chunk=8, microbatch=4, remat=True),  # one H100 (an H200: 141 GB)
+}
+
+
+def apply_memory_plan(config: ConfigDict, target: str) -> ConfigDict:
+    """Set `config`'s memory knobs to `MEMORY_PLANS[target]` (FSDP over every device, chunk sizes, remat)."""
+    if target not in MEMORY_PLANS:
+        raise ConfigError(f"unknown memory plan {target!r}: choose one of {', '.join(MEMORY_PLANS)} (configs/sd35m_*.py:<plan>)")
+    plan = MEMORY_PLANS[target]
+    config.mesh = (("data", 1), ("fsdp", -1))
+    config.train.update(rollout_chunk=plan["rollout_chunk"], microbatch=plan["microbatch"])
+    config.world.remat = plan["remat"]
+    return config

@@ -131,6 +131,14 @@ def from_row_chunks(x: jax.Array, shards: int) -> jax.Array:
     return x.reshape((n, shards, per) + x.shape[2:]).swapaxes(0, 1).reshape((n * c,) + x.shape[2:])
 
 
+def constrain_rows(tree: Any, sharding: NamedSharding | None, rows: int) -> Any:
+    """Inside jit: every leaf with a leading axis of `rows` sharded by `sharding` (the batch axes), the others as they
+    are; nothing when `sharding` is None or `rows` does not divide over its batch shards."""
+    if sharding is None or rows % batch_shards(sharding.mesh):
+        return tree
+    return jax.tree_util.tree_map(lambda a: jax.lax.with_sharding_constraint(a, sharding) if a.ndim and a.shape[0] == rows else a, tree)
+
+
 def shard_batch(batch: Any, mesh: jax.sharding.Mesh, axes: Sequence[str] = BATCH_AXES) -> Any:
     """Place a host batch (pytree of arrays, global batch on the leading axis) onto the mesh.
 

@@ -53,16 +53,18 @@ def make_optimizer(t_cfg) -> optax.GradientTransformation:
                        optax.adamw(t_cfg.lr, b1=0.9, b2=0.999, weight_decay=t_cfg.weight_decay))
 
 
-def make_rollout_fn(policy: Policy, world, config, shards: int = 1) -> Callable:
+def make_rollout_fn(policy: Policy, world, config, row_sharding: jax.sharding.NamedSharding | None = None) -> Callable:
     """jit-able `(trainable, frozen, ids, mask, rng) -> (Rollout, cond, null)`. With `train.rollout_chunk`
     (rows per chunk, 0 = all) the rows are sampled `rollout_chunk` at a time (`lax.map`; each chunk spans the
-    `shards` batch shards, `parallel.to_row_chunks`), so the activations held at once are one chunk's: the
-    memory plan's rollout knob. The initial noise is the whole batch's either way; the step noise of chunk
-    `i` comes from `fold_in(key, i)`, so a chunked rollout is another draw of the same process."""
+    batch shards of `row_sharding`, `parallel.to_row_chunks`), so the activations held at once are one chunk's:
+    the memory plan's rollout knob. The initial noise is the whole batch's either way; the step noise of chunk
+    `i` comes from `fold_in(key, i)`, so a chunked rollout is another draw of the same process. The outputs'
+    rows are sharded like the batch (`row_sharding`), not left to the compiler."""
     s, t = config.sampler, config.train
     sigmas = schedule.sigmas(s.num_steps, s.shift)
     levels = sampler_levels(s)
     chunk = t.get("rollout_chunk", 0)
+    shards = parallel.batch_shards(row_sharding.mesh) if row_sharding is not None else 1
 
     def rows_rollout(trainable, frozen, ids, mask, x_T, key):
         cond = world.encode(frozen, ids, mask)
@@ -75,7 +77,7 @@ def make_rollout_fn(policy: Policy, world, config, shards: int = 1) -> Callable:
         k_noise, k_steps = jax.random.split(rng)
         x_T = rollout_lib.initial_noise(k_noise, world.latent_shape(ids.shape[0]), t.group_size, s.same_noise_per_group)
         if not chunk or chunk >= ids.shape[0]:
-            return rows_rollout(trainable, frozen, ids, mask, x_T, k_steps)
+            return parallel.constrain_rows(rows_rollout(trainable, frozen, ids, mask, x_T, k_steps), row_sharding, ids.shape[0])
         num_chunks = ids.shape[0] // chunk
         per_row = jax.tree_util.tree_map(lambda a: parallel.to_row_chunks(a, num_chunks, shards), (ids, mask, x_T))
 
@@ -85,7 +87,8 @@ def make_rollout_fn(policy: Policy, world, config, shards: int = 1) -> Callable:
             return ro.replace(sigmas=None, noise_levels=None), cond, null  # per-row parts only
 
         out = jax.lax.map(one_chunk, (jnp.arange(num_chunks), per_row))
-        ro, cond, null = jax.tree_util.tree_map(lambda a: parallel.from_row_chunks(a, shards), out)
+        ro, cond, null = parallel.constrain_rows(jax.tree_util.tree_map(lambda a: parallel.from_row_chunks(a, shards), out),
+                                                 row_sharding, ids.shape[0])
         return ro.replace(sigmas=sigmas, noise_levels=levels), cond, null
 
     return rollout_fn
@@ -143,11 +146,7 @@ def make_update_fn(policy: Policy, objective, options, optimizer, config, reward
     microbatch = config.train.get("microbatch", 0)
 
     def constrain(mb, size):
-        if pair_sharding is None or size % parallel.batch_shards(pair_sharding.mesh):
-            return mb
-        return {k: v if k in SHARED_PAIR_FIELDS else jax.tree_util.tree_map(
-            lambda a: jax.lax.with_sharding_constraint(a, pair_sharding) if a.ndim and a.shape[0] == size else a, v)
-            for k, v in mb.items()}
+        return {k: v if k in SHARED_PAIR_FIELDS else parallel.constrain_rows(v, pair_sharding, size) for k, v in mb.items()}
 
     def value_and_grad(state: TrainState, frozen, data, rows, slots, weight, key):
         mb = constrain(objective.pairs(data, rows, slots, weight, key, options), rows.shape[0])
@@ -225,6 +224,14 @@ def make_image_change_fn(policy: Policy, world, config) -> Callable:
     return image_change
 
 
+def initial_state(policy: Policy, optimizer, credit, objective, config, num_prompts: int, frozen_dit, rng) -> TrainState:
+    """The TrainState at step 0: the policy's trainable params (and their EMA, optimizer state, old policy) from `rng`."""
+    params = policy.init(frozen_dit, rng)
+    return TrainState(step=jnp.zeros((), jnp.int32), updates=jnp.zeros((), jnp.int32), params=params, ema=params,
+                      opt_state=optimizer.init(params), credit=credit.init(), old=params if objective.old_policy is not None else None,
+                      curriculum=jax.tree_util.tree_map(jnp.asarray, curriculum.init(num_prompts)) if config.curriculum.enabled else None)
+
+
 def update_old_policy(state: TrainState, decay: Callable) -> TrainState:
     """The old policy after an iteration: `old <- d old + (1 - d) params`, `d = decay(step)` (objectives/__init__.py)."""
     d = decay(state.step.astype(jnp.float32))
@@ -276,19 +283,12 @@ class Steps:
         frozen_shardings = parallel.tree_shardings(base, mesh, rules, min_size)
         self.frozen = parallel.put_global(base, frozen_shardings)
 
-        def init_state(r) -> TrainState:
-            params = policy.init(self.frozen["dit"], r)
-            return TrainState(step=jnp.zeros((), jnp.int32), updates=jnp.zeros((), jnp.int32), params=params, ema=params,
-                              opt_state=optimizer.init(params), credit=credit.init(),
-                              old=params if objective.old_policy is not None else None,
-                              curriculum=jax.tree_util.tree_map(jnp.asarray, curriculum.init(num_prompts))
-                              if config.curriculum.enabled else None)
-
+        init_state = functools.partial(initial_state, policy, optimizer, credit, objective, config, num_prompts, self.frozen["dit"])
         rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
         self.shardings = parallel.tree_shardings(jax.eval_shape(init_state, rng), mesh, rules, min_size)
         self.state = jax.jit(init_state, out_shardings=self.shardings)(rng)
         data, replicated = parallel.batch_sharding(mesh), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        self.rollout = jax.jit(make_rollout_fn(policy, world, config, parallel.batch_shards(mesh)),
+        self.rollout = jax.jit(make_rollout_fn(policy, world, config, data),
                                in_shardings=(self.shardings.params, frozen_shardings, data, data, replicated))
         self.credit = jax.jit(make_credit_fn(credit, "step" in objective.offers(options), config.advantage.null_control), static_argnums=3)
         self.complete = jax.jit(make_completion_fn(policy, config), static_argnums=5)

@@ -28,6 +28,7 @@ import numpy as np
 
 from flowrl_jax.models import clip_text, convert, t5 as t5_lib, vae as vae_lib
 from flowrl_jax.models.mmdit import MMDiT
+from flowrl_jax.models.presets import PRESETS
 from flowrl_jax.sampling import rollout, schedule
 
 COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")  # text_encoder_3 / tokenizer_3: optional
@@ -166,3 +167,39 @@ def load_sd3_pipeline(folder: str, dtype=jnp.float32, param_dtype=jnp.float32, c
                   _tokenizer(_component(folder, "tokenizer_3", required=t5 is not None)))
     pipe = SD3Pipeline(dit, clip_l, clip_g, t5, vae, tokenizers, _shift(folder), clip_max_length, t5_max_length)
     return pipe, {"dit": dit_params, "text": text, "vae": vae_params}
+
+
+# SD3.5-Medium's components as their config.json files set them (the fields that fix the shapes): the abstract
+# pipeline of the memory plan and the on-paper benchmarks, built without weights.
+SD35_MEDIUM = {
+    "clip_l": dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, projection_dim=768, num_hidden_layers=12,
+                   num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu", layer_norm_eps=1e-5, eos_token_id=2),
+    "clip_g": dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, projection_dim=1280, num_hidden_layers=32,
+                   num_attention_heads=20, max_position_embeddings=77, hidden_act="gelu", layer_norm_eps=1e-5, eos_token_id=2),
+    "t5": dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64),
+    "vae": dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16, norm_num_groups=32,
+                scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False),
+    "dit": PRESETS["sd35_medium"],
+}
+
+
+def abstract_pipeline(components: dict = SD35_MEDIUM, dtype=jnp.bfloat16, param_dtype=jnp.float32, remat: bool = False,
+                      clip_max_length: int = 77, t5_max_length: int = 256, shift: float = 3.0) -> tuple[SD3Pipeline, dict]:
+    """(SD3Pipeline without tokenizers, its params as `jax.ShapeDtypeStruct`s) for `components` (default SD3.5-M):
+    everything `jax.jit(...).lower` needs to compile the pipeline's functions, no weights. Without tokenizers,
+    `tokenize` gives zeros of the right shape."""
+    kw = dict(dtype=dtype, param_dtype=param_dtype)
+    dit = MMDiT(**components["dit"], remat=remat, **kw)
+    clip_l, clip_g = (clip_text.CLIPTextEncoder(**components[k], **kw) for k in ("clip_l", "clip_g"))
+    t5 = t5_lib.T5Encoder(**components["t5"], **kw)
+    vae = vae_lib.AutoencoderKL(**components["vae"], **kw)
+    pipe = SD3Pipeline(dit, clip_l, clip_g, t5, vae, (None, None, None), shift, clip_max_length, t5_max_length)
+    rng = jax.random.PRNGKey(0)
+    params = jax.eval_shape(lambda: {
+        "dit": dit.init(rng, *dit.dummy_inputs(1, 1, 8, 8))["params"],
+        "text": {"clip_l": clip_l.init(rng, jnp.zeros((1, clip_max_length), jnp.int32))["params"],
+                 "clip_g": clip_g.init(rng, jnp.zeros((1, clip_max_length), jnp.int32))["params"],
+                 "t5": t5.init(rng, jnp.zeros((1, t5_max_length), jnp.int32))["params"]},
+        "vae": vae.init(rng, jnp.zeros((1, 16, 16, 3)))["params"]})
+    return pipe, params

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from flowrl_jax import metrics, rewards
+from flowrl_jax import metrics, parallel, rewards
 from flowrl_jax.data import datasets
 from flowrl_jax.models.sd3 import load_sd3_pipeline
 
@@ -42,6 +42,7 @@ DEFAULTS = {
     "text_cache": False,     # encode every train/test prompt once at load and drop the text encoders (module doc)
     "dtype": "float32",      # compute dtype of every component ("bfloat16" on TPU / GPU)
     "param_dtype": "float32",
+    "remat": False,          # rematerialize each MMDiT block in the backward pass (the memory plan, README)
 }
 
 
@@ -69,13 +70,25 @@ class SD3World:
         self.rewards = config.train.rewards
         self.pipe, self._sampler, self._reward_fn, self.reader = None, None, None, None
 
+    @classmethod
+    def around(cls, config, pipe, row_sharding) -> "SD3World":
+        """A world around an already built pipeline, with no prompt sets or folders: what compiling the train job's
+        functions from abstract shapes needs (`benchmarks/memory_plan.py`); `row_sharding`: the batch's."""
+        world = cls.__new__(cls)
+        world.config, world.world_cfg, world.eval_cfg, world.seed = config, config.world, config.eval, config.seed
+        world.train_prompts, world.test_prompts, world.rewards = [], [], config.train.rewards
+        world.pipe, world._sampler, world._reward_fn, world.reader = pipe, None, None, None
+        world._rows = row_sharding
+        return world
+
     # ------------------------------------------------------------------------------------------ model
     def load(self):
         w = self.world_cfg
         self.pipe, params = load_sd3_pipeline(w.pipeline, dtype=jnp.dtype(w.dtype), param_dtype=jnp.dtype(w.param_dtype),
-                                              clip_max_length=w.clip_max_length, t5_max_length=w.t5_max_length)
+                                              clip_max_length=w.clip_max_length, t5_max_length=w.t5_max_length, remat=w.remat)
         self.latent_shape(1)  # the resolution fits the VAE and the patch size (ValueError otherwise)
-        self._decode = jax.jit(self.pipe.decode)  # called on the host's rollouts too (score): one program, not op by op
+        self._rows = parallel.batch_sharding(parallel.make_mesh(self.config.mesh))
+        self._decode = jax.jit(self.decode_rows)  # called on the host's rollouts too (score): one program, not op by op
         if w.text_cache:
             params = {**params, "text": self._encode_all(params["text"])}
         return self.pipe.dit, params
@@ -126,6 +139,16 @@ class SD3World:
 
     def decode(self, frozen, x):
         return self._decode(frozen["vae"], x)
+
+    def decode_rows(self, vae_params, x):
+        """latents [B, h, w, C] -> images [B, H, W, 3], `train.rollout_chunk` rows at a time (all at once when 0):
+        the VAE decoder's activations at 512 px are ~100x the latents', the memory plan's third knob."""
+        chunk = self.config.train.rollout_chunk
+        if not chunk or chunk >= x.shape[0]:
+            return self.pipe.decode(vae_params, x)
+        shards = parallel.batch_shards(self._rows.mesh)
+        out = jax.lax.map(lambda c: self.pipe.decode(vae_params, c), parallel.to_row_chunks(x, x.shape[0] // chunk, shards))
+        return parallel.constrain_rows(parallel.from_row_chunks(out, shards), self._rows, x.shape[0])
 
     # ---------------------------------------------------------------------------------------- prompts
     def sample_prompts(self, n: int, rng: np.random.Generator) -> np.ndarray:

@@ -1,0 +1,215 @@
+"""The memory plan of Flow-GRPO on SD3.5-Medium (`configs/sd35m_*.py`): per-device memory of the train job's
+compiled rollout, decode and update on a simulated mesh of each target, from abstract params (no weights), a hand
+estimate beside it, and the largest number of prompts per iteration (groups of 24) that fits.
+
+    python benchmarks/memory_plan.py [--targets v5p-8,v6e-8,gpu] [--out benchmarks/results/memory_plan.json]
+
+Each target's plan is `config_lib.MEMORY_PLANS[target]` (mesh, rows sampled/decoded at a time, pairs per
+forward/backward, remat) applied to `config_lib.sd35m_train_config()`: bf16 compute with float32 params and
+log-probs, LoRA rank 32, the DiT and the three text encoders FSDP-sharded over every device. The functions are the
+train job's own (`steps.make_rollout_fn`, `make_update_fn`, `SD3World.decode_rows`), jitted with the job's shardings,
+lowered on `jax.ShapeDtypeStruct`s and compiled by XLA:CPU for the target's device count (8 simulated CPU devices;
+a GPU target is one). A phase's peak per device = arguments + outputs - donated + XLA's temp buffers, plus the
+train state's parts alive but not passed (the EMA, Adam's moments). XLA:TPU and XLA:GPU schedule buffers
+differently (and use flash-style attention kernels only where told): the figures are the CPU compiler's, the hand
+estimate says where they come from. Everything that grows with the batch (the stored trajectories, conditions,
+images) is linear in it: compiled at the config's 48 prompts and at 2x, the largest batch that fits in 90% of the
+device's memory is the line's crossing (checked by compiling it).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from flowrl_jax import config_lib, credit as credit_lib, objectives, parallel  # noqa: E402
+from flowrl_jax.models.sd3 import abstract_pipeline  # noqa: E402
+from flowrl_jax.policy import Policy  # noqa: E402
+from flowrl_jax.steps import initial_state, make_optimizer, make_rollout_fn, make_update_fn, sampler_levels  # noqa: E402
+from flowrl_jax.worlds.sd3 import SD3World  # noqa: E402
+
+HEADROOM = 0.9  # of the device's memory: the runtime, fragmentation and the host transfers need the rest
+GB = 1e9
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "pred": 1, "f16": 2}
+
+
+def _abstract(tree, shardings):
+    return jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def _bytes(tree) -> int:
+    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(tree))
+
+
+def _device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded `ShapeDtypeStruct`s."""
+    return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * jnp.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(tree))
+
+
+def _gathered_bytes(hlo: str) -> int:
+    """The summed result sizes of the compiled program's all-gathers (FSDP weights, batch rows): what the
+    compiler brings to every device; how much of it is alive at once is its schedule's business."""
+    total = 0
+    for m in re.finditer(r"= \(?(\w+)\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", hlo):
+        dtype, dims = m.group(1), m.group(2)
+        if dtype in DTYPE_BYTES:
+            total += DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    return total
+
+
+def _analysis(compiled) -> dict:
+    m = compiled.memory_analysis()
+    return {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes - m.alias_size_in_bytes,
+            "temp": m.temp_size_in_bytes, "all_gathered": _gathered_bytes(compiled.as_text())}
+
+
+def target_config(target: str, prompts: int):
+    config = config_lib.sd35m_train_config()
+    config.unlock()
+    plan = config_lib.MEMORY_PLANS[target]
+    config_lib.apply_memory_plan(config, target)
+    config.train.prompts_per_iteration = prompts
+    return config, plan
+
+
+def compile_phases(target: str, prompts: int) -> dict:
+    """Per-device bytes of each phase of one iteration at `prompts` x 24 rows on `target`'s simulated mesh."""
+    config, plan = target_config(target, prompts)
+    devices = jax.devices()[: plan["devices"]]
+    mesh = parallel.make_mesh(config.mesh, devices=devices)
+    w, t, s = config.world, config.train, config.sampler
+    pipe, frozen = abstract_pipeline(dtype=jnp.dtype(w.dtype), param_dtype=jnp.dtype(w.param_dtype), remat=w.remat,
+                                     clip_max_length=w.clip_max_length, t5_max_length=w.t5_max_length, shift=s.shift)
+    world = SD3World.around(config, pipe, parallel.batch_sharding(mesh))
+    policy = Policy(pipe.dit, t.lora_rank, t.lora_init)
+    objective = objectives.get(config.objective.name)
+    options = objectives.resolve_options(config, pipe.dit.patch_size)
+    credit = credit_lib.build(config.credit.names, config.credit, config.advantage.global_std, config.advantage.clip)
+    optimizer = make_optimizer(t)
+    rules, min_size = config.partition_rules, config.min_fsdp_size
+    frozen_sh = parallel.tree_shardings(frozen, mesh, rules, min_size)
+    state = jax.eval_shape(lambda r: initial_state(policy, optimizer, credit, objective, config, 0, frozen["dit"], r), jax.random.PRNGKey(0))
+    state_sh = parallel.tree_shardings(state, mesh, rules, min_size)
+    data_sh, rep = parallel.batch_sharding(mesh), NamedSharding(mesh, P())
+    batch = prompts * t.group_size
+    ids = jax.ShapeDtypeStruct((batch, sum(pipe.lengths)), jnp.int32, sharding=data_sh)
+    mask = jax.ShapeDtypeStruct(ids.shape, jnp.bool_, sharding=data_sh)
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)
+    frozen_abs, state_abs = _abstract(frozen, frozen_sh), _abstract(state, state_sh)
+
+    rollout_fn = jax.jit(make_rollout_fn(policy, world, config, data_sh), in_shardings=(state_sh.params, frozen_sh, data_sh, data_sh, rep))
+    rollout = rollout_fn.lower(state_abs.params, frozen_abs, ids, mask, key).compile()
+    ro, cond, null = jax.eval_shape(rollout_fn, state_abs.params, frozen_abs, ids, mask, key)
+    final = jax.ShapeDtypeStruct((batch,) + ro.next_states.shape[2:], ro.next_states.dtype, sharding=data_sh)
+    decode = jax.jit(world.decode_rows).lower(frozen_abs["vae"], final).compile()
+
+    slots = objective.slots(options, np.asarray(sampler_levels(s)))
+    pairs = -(-batch * len(slots) // t.minibatches)
+    pairs = -(-pairs // t.microbatch) * t.microbatch if t.microbatch else pairs
+    batch_leaf = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=data_sh if a.ndim and a.shape[0] == batch else rep)  # noqa: E731
+    data = {"rollout": jax.tree_util.tree_map(batch_leaf, ro), "cond": jax.tree_util.tree_map(batch_leaf, cond),
+            "null": jax.tree_util.tree_map(batch_leaf, null),
+            "adv": jax.ShapeDtypeStruct((batch, s.num_steps, 1), jnp.float32, sharding=data_sh)}
+    index = lambda dtype: jax.ShapeDtypeStruct((pairs,), dtype, sharding=rep)  # noqa: E731
+    update_fn = jax.jit(make_update_fn(policy, objective, options, optimizer, config, None, data_sh),
+                        out_shardings=(state_sh, None), donate_argnums=0)
+    update = update_fn.lower(state_abs, frozen_abs, data, index(jnp.int32), index(jnp.int32), index(jnp.float32)).compile()
+
+    live = _device_bytes(frozen_abs) + _device_bytes(state_abs)  # alive the whole run
+    stored = _device_bytes(data)  # the iteration's rollout, alive from the rollout to the update's end
+    phases = {name: _analysis(c) for name, c in (("rollout", rollout), ("decode", decode), ("update", update))}
+    phases["rollout"]["peak"] = live + phases["rollout"]["temp"] + phases["rollout"]["outputs"]  # its outputs are `stored`
+    for name in ("decode", "update"):
+        phases[name]["peak"] = live + stored + phases[name]["temp"] + phases[name]["outputs"]
+    return {"prompts": prompts, "batch": batch, "minibatch_pairs": pairs, "phases": phases, "live": live, "stored": stored,
+            "peak": max(p["peak"] for p in phases.values()),
+            "params": {"frozen": _bytes(frozen), "trainable": _bytes(state.params), "state": _bytes(state)},
+            "per_row": {"rollout": _bytes(data) / batch}}
+
+
+def hand_estimate(target: str, prompts: int, sizes: dict) -> dict:
+    """Per-device bytes by hand: sharded weights and state, the stored batch, and the largest activation set held at
+    once (one rollout chunk's attention scores and MLP, or one microbatch's remat'd forward + one block's backward)."""
+    config, plan = target_config(target, prompts)
+    d = plan["devices"]
+    t, dit = config.train, config_lib.PRESETS_SD35M
+    batch = prompts * t.group_size
+    tokens = (config.world.resolution // 16) ** 2  # 8x VAE, patch 2
+    text = config.world.clip_max_length + config.world.t5_max_length
+    seq, width, heads = tokens + text, dit["num_attention_heads"] * dit["attention_head_dim"], dit["num_attention_heads"]
+    layers = dit["num_layers"]
+    weights = (sizes["params"]["frozen"] + sizes["params"]["state"]) / d
+    stored = batch * sizes["per_row"]["rollout"] / d  # trajectories (4 x [T, h, w, 16] f32), logp, cond and null
+    rows = 2 * (t.rollout_chunk or batch) / d  # CFG doubles the forward's rows
+    attention = rows * heads * seq * seq * 4  # float32 scores of one block, one chunk
+    mlp = rows * seq * 4 * width * 2 * 2  # bf16 hidden, twice (pre and post activation)
+    rollout_act = attention + mlp
+    micro = 2 * (t.microbatch or batch) / d  # the policy's CFG pair (the uncond branch under stop_gradient, forward only)
+    saved = micro * layers * seq * width * 2 * 2 if config.world.remat else micro * layers * (attention + mlp) / rows
+    update_act = saved + micro * (heads * seq * seq * 4 * 2 + seq * 4 * width * 2 * 4)  # + one block's fwd+bwd
+    return {"weights_and_state": weights, "stored_batch": stored, "rollout_activations": rollout_act,
+            "update_activations": update_act, "peak": weights + stored + max(rollout_act, update_act)}
+
+
+def largest_prompts(low: dict, slope: float, memory_gb: float, base_prompts: int, chunk: int, group: int) -> int:
+    """The most prompts per iteration whose linear peak fits in HEADROOM x `memory_gb`, with the batch a whole
+    number of rollout chunks."""
+    n = int((HEADROOM * memory_gb * GB - low["peak"]) // slope) + base_prompts if slope > 0 else 0
+    while n > 0 and (n * group) % (chunk or 1):
+        n -= 1
+    return max(n, 0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", default=",".join(config_lib.MEMORY_PLANS))
+    parser.add_argument("--check", action="store_true", help="also compile at the largest batch found (another compile per target)")
+    parser.add_argument("--out", default="benchmarks/results/memory_plan.json")
+    args = parser.parse_args()
+    base = config_lib.sd35m_train_config().train
+    results = {}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    if os.path.isfile(args.out):  # targets measured before are kept (each takes ~15 min of compiling on 2 cores)
+        with open(args.out) as f:
+            results = json.load(f)
+    for target in args.targets.split(","):
+        plan = config_lib.MEMORY_PLANS[target]
+        t0 = time.time()
+        low, high = compile_phases(target, base.prompts_per_iteration), compile_phases(target, 2 * base.prompts_per_iteration)
+        slope = (high["peak"] - low["peak"]) / base.prompts_per_iteration  # bytes per prompt (a group of rows)
+        largest = {str(gb): largest_prompts(low, slope, gb, base.prompts_per_iteration, plan["rollout_chunk"], base.group_size)
+                   for gb in (plan["memory_gb"],) + tuple(plan.get("also_gb", ()))}
+        check = compile_phases(target, largest[str(plan["memory_gb"])]) if args.check and largest[str(plan["memory_gb"])] else None
+        results[target] = {"plan": plan, "low": low, "high": high, "bytes_per_prompt": slope,
+                           "hand": hand_estimate(target, base.prompts_per_iteration, low), "largest_prompts": largest,
+                           "at_largest": check, "compile_s": time.time() - t0}
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    print(f"per-device GB, Flow-GRPO on SD3.5-M at {base.prompts_per_iteration} prompts x {base.group_size} "
+          f"(XLA:CPU memory analysis on a simulated mesh; hand estimate in brackets)")
+    print(f"{'target':8s} {'dev':>3s} {'weights+state':>13s} {'rollout':>8s} {'rollout':>8s} {'decode':>7s} {'update':>7s} "
+          f"{'peak':>14s} {'memory':>7s} {'GB/prompt':>9s} {'largest prompts x 24':>20s}")
+    print(f"{'':8s} {'':>3s} {'':>13s} {'stored':>8s} {'peak':>8s} {'peak':>7s} {'peak':>7s}")
+    for target, r in results.items():
+        low, hand, ph = r["low"], r["hand"], r["low"]["phases"]
+        fits = ", ".join(f"{n} ({gb} GB)" for gb, n in r["largest_prompts"].items())
+        print(f"{target:8s} {r['plan']['devices']:3d} {low['live'] / GB:13.1f} {low['stored'] / GB:8.2f} {ph['rollout']['peak'] / GB:8.1f} "
+              f"{ph['decode']['peak'] / GB:7.1f} {ph['update']['peak'] / GB:7.1f} {low['peak'] / GB:6.1f} [{hand['peak'] / GB:5.1f}] "
+              f"{r['plan']['memory_gb']:7d} {r['bytes_per_prompt'] / GB:9.3f} {fits:>20s}")
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
