@@ -26,6 +26,8 @@ import jax
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
+from flowrl_jax import paths
+
 DAMAGED_SUFFIX = ".damaged"
 
 
@@ -54,9 +56,9 @@ def _one_line(e: BaseException) -> str:
 
 def _read_arrays(item: str) -> None:
     """Read and decode every array of an orbax OCDBT item folder (zarr or zarr3 arrays), one at a time."""
-    if not os.path.isfile(os.path.join(item, "manifest.ocdbt")):
+    if not paths.exists(os.path.join(item, "manifest.ocdbt")):
         raise FileNotFoundError(f"{os.path.join(item, 'manifest.ocdbt')} is missing")
-    kvstore = {"driver": "ocdbt", "base": "file://" + item.rstrip("/") + "/"}
+    kvstore = {"driver": "ocdbt", "base": paths.kvstore_url(item)}
     for key in sorted(ts.KvStore.open(kvstore).result().list().result()):
         for marker, driver in ((b"/.zarray", "zarr"), (b"/zarr.json", "zarr3")):
             if key.endswith(marker):  # synchronous: when one fails, no read is left in flight
@@ -66,7 +68,7 @@ def _read_arrays(item: str) -> None:
 
 class Checkpointer:
     def __init__(self, directory: str, max_to_keep: int = 3):
-        self.directory = os.path.abspath(directory)
+        self.directory = paths.resolve(directory)  # a local folder or a bucket URL (gs://...)
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._closed = False
@@ -93,7 +95,7 @@ class Checkpointer:
         folder = os.path.join(self.directory, str(step))
         try:
             for name in ("meta/metadata", "state/_METADATA"):
-                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                with paths.open_file(os.path.join(folder, name)) as f:
                     json.load(f)
             _read_arrays(os.path.join(folder, "state"))
         except Exception as e:  # noqa: BLE001 - any read error means damaged
@@ -141,11 +143,11 @@ class Checkpointer:
         """Rename a damaged step folder to `<step>.damaged` (`-2`, `-3`, ... if taken); its new path."""
         folder = os.path.join(self.directory, str(step))
         target, n = folder + DAMAGED_SUFFIX, 1
-        while os.path.exists(target):
+        while paths.exists(target):
             n += 1
             target = f"{folder}{DAMAGED_SUFFIX}-{n}"
         if jax.process_index() == 0:
-            os.rename(folder, target)
+            paths.rename(folder, target)
         self.manager.reload()
         return target
 
@@ -159,12 +161,12 @@ class Checkpointer:
 def save_params(directory: str, params: Any) -> None:
     """One-off save of a params pytree (shipped assets): a plain orbax StandardCheckpointer folder."""
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.abspath(directory), params, force=True)
+        ckptr.save(paths.resolve(directory), params, force=True)
 
 
 def load_params(directory: str, template: Any | None = None) -> Any:
     """Load what `save_params` wrote; with a template the result has its structure and shardings, without
     one every array is on this process's first device (whatever topology saved it)."""
-    path = os.path.abspath(directory)
+    path = paths.resolve(directory)
     with ocp.StandardCheckpointer() as ckptr:
         return ckptr.restore(path, _abstract(template) if template is not None else _local(ckptr.metadata(path).item_metadata))

@@ -15,6 +15,8 @@ from typing import Mapping, Sequence
 import numpy as np
 from PIL import Image, ImageDraw
 
+from flowrl_jax import paths
+
 
 def is_writer() -> bool:
     """Whether this process writes the run's files (metrics, images, reports): process 0 of a multi-process run."""
@@ -31,15 +33,14 @@ class MetricWriter:
 
         self.path, self.tb = os.path.join(workdir, "metrics.jsonl"), None
         if is_writer():
-            os.makedirs(workdir, exist_ok=True)
-            self.tb = SummaryWriter(os.path.join(workdir, "tb"))
+            paths.makedirs(workdir)
+            self.tb = SummaryWriter(os.path.join(workdir, "tb"))  # tensorboardX writes gs:// through google-cloud-storage
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
         if self.tb is None:
             return
         values = {k: float(v) for k, v in values.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": int(step), "time": time.time(), **values}) + "\n")
+        paths.append_line(self.path, json.dumps({"step": int(step), "time": time.time(), **values}))
         for k, v in values.items():
             self.tb.add_scalar(k, v, int(step))
         self.tb.flush()
@@ -51,9 +52,9 @@ class MetricWriter:
 
 def read_metrics(workdir: str) -> list[dict]:
     path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
+    if not paths.exists(path):
         return []
-    with open(path) as f:
+    with paths.open_file(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -84,8 +85,9 @@ def save_grid(images, path: str, rows: int | None = None, labels: Sequence[str] 
             draw.text((x0 + 1, y0 + h * scale), str(labels[i])[: cell_w // 6], fill=(0, 0, 0))
     for r, title in enumerate(row_titles or []):
         draw.text((2, r * (cell_h + 2) + cell_h // 2 - 5), str(title)[:14], fill=(0, 0, 0))
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    canvas.save(path)
+    paths.makedirs(os.path.dirname(paths.resolve(path)))
+    with paths.open_file(path, "wb") as f:
+        canvas.save(f, format="PNG")
     return path
 
 
@@ -113,8 +115,9 @@ def plot_report(workdir: str, path: str) -> str:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("reward / accuracy")
     axes[0].legend(loc="lower right")
-    fig.suptitle(os.path.basename(os.path.abspath(workdir)))
+    fig.suptitle(os.path.basename(paths.resolve(workdir).rstrip("/")))
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with paths.open_file(path, "wb") as f:
+        fig.savefig(f, dpi=100, format="png")
     plt.close(fig)
     return path

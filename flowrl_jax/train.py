@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from flowrl_jax import credit as credit_lib, metrics, objectives, parallel, rewards, worlds
+from flowrl_jax import credit as credit_lib, metrics, objectives, parallel, paths, rewards, worlds
 from flowrl_jax.checkpoint import CheckpointError, Checkpointer
 from flowrl_jax.config_lib import ConfigError
 from flowrl_jax.data import curriculum
@@ -139,7 +139,7 @@ def setup(config, workdir: str, world) -> tuple[Job, TrainState]:
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
     steps = Steps(config, mesh, world, dit, base, credit, len(world.train_prompts))
-    os.makedirs(workdir, exist_ok=True)
+    paths.makedirs(workdir)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep)
     try:
         restored, meta, skipped = ckpt.restore_latest(steps.state)
@@ -352,7 +352,7 @@ def finish(job: Job, state: TrainState, stopped: str | None) -> dict:
     result = {"step": int(state.step), "evals": history["evals"], "stopped": stopped,
               "wall_s": history["wall_s"], "first_iteration_s": history["first_iteration_s"]}
     if history["evals"] and metrics.is_writer():
-        with open(os.path.join(job.workdir, "eval.json"), "w") as f:
+        with paths.open_file(os.path.join(job.workdir, "eval.json"), "w") as f:
             json.dump({"base": job.config.world.get("base"), "evals": history["evals"]}, f, indent=2)
         metrics.plot_report(job.workdir, os.path.join(job.workdir, "report.png"))
     if len(history["evals"]) >= 2 and history["evals"][0]["step"] == 0 and metrics.is_writer():
