@@ -2,18 +2,20 @@
 
     python -m flowrl_jax.data.datasets flow_grpo/dataset/geneval/train_metadata.jsonl data/geneval --split train
     python -m flowrl_jax.data.datasets flow_grpo/dataset/geneval/test_metadata.jsonl data/geneval --split test
-    python -m flowrl_jax.main --config configs/sd35m_geneval.py --workdir gs://bucket/runs/geneval \\
+    python -m flowrl_jax.main --config configs/sd35m_geneval.py:v5p-8 --workdir gs://bucket/runs/geneval \\
         --config.world.pipeline=/path/to/stable-diffusion-3.5-medium \\
         --config.world.train_prompts=data/geneval --config.world.test_prompts=data/geneval
 
 The GenEval reward needs an object detector that is not in this library yet (README "Real models"): until a
 GenEval reward is registered (`rewards.REWARDS`, local or behind a server), `--config.train.rewards` picks
 what to optimise; the default is the model-free JPEG compressibility, so the preset runs end to end.
+The argument picks the memory plan of the hardware (`config_lib.MEMORY_PLANS`: v5p-8 (default), v6e-8, gpu;
+README "Memory plan").
 """
 from flowrl_jax import config_lib
 
 
 def get_config(arg: str = ""):
-    config = config_lib.sd35m_train_config(beta=0.04)
+    config = config_lib.sd35m_train_config(beta=0.04, plan=arg or "v5p-8")
     config.lock()
     return config

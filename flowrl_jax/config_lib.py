@@ -102,12 +102,13 @@ def embedded_train_config(ode_rollouts: bool = False) -> ConfigDict:
     return cfg
 
 
-def sd35m_train_config(rewards=(("jpeg_compressibility", 1.0),), beta: float = 0.04) -> ConfigDict:
+def sd35m_train_config(rewards=(("jpeg_compressibility", 1.0),), beta: float = 0.04, plan: str = "v5p-8") -> ConfigDict:
     """Flow-GRPO on SD3.5-Medium in the latent world, from flow_grpo's `config/grpo.py` SD3.5-M settings:
     512 px, groups of 24, 48 prompts per iteration (1,152 images) in 2 optimizer steps, 10 rollout steps
     (SDE noise level 0.7; steps 0-8 trained, upstream's timestep_fraction 0.99) and 40 eval steps, CFG 4.5,
     shift 3, LoRA rank 32 / alpha 64 at lr 3e-4, clip 1e-4, KL beta per task, bf16 compute with float32
-    params. The pipeline folder and the prompt datasets come from the command line (`config.world`)."""
+    params. The pipeline folder and the prompt datasets come from the command line (`config.world`). `plan`: the
+    memory plan of the hardware (`MEMORY_PLANS`: v5p-8, v6e-8, gpu), chosen in the config file's argument."""
     cfg = train_config()
     cfg.world = worlds.config_fields("sd3")
     cfg.world.update(resolution=512, t5_max_length=128, dtype="bfloat16")  # flow_grpo: max_sequence_length 128
@@ -118,9 +119,8 @@ def sd35m_train_config(rewards=(("jpeg_compressibility", 1.0),), beta: float = 0
     cfg.eval.update(every=50, at_start=True, samples_per_prompt=1, batch_size=16, num_steps=40, cfg=4.5, shift=3.0,
                     learned_reward=False, noise_seed=1)
     cfg.checkpoint.update(every=20, keep=3)
-    cfg.mesh = (("data", 1), ("fsdp", -1))  # FSDP over every device: the DiT, CLIPs and T5-XXL sharded
-    cfg.partition_rules = ((r"(kernel|embedding)$", "fsdp"), (r".*", "replicate"))
-    return cfg
+    cfg.partition_rules = ((r"(kernel|embedding)$", "fsdp"), (r".*", "replicate"))  # the DiT, CLIPs and T5-XXL sharded
+    return apply_memory_plan(cfg, plan)  # FSDP over every device, chunk sizes, remat
 
 
 # The memory plan of `sd35m_train_config()` per target (`benchmarks/memory_plan.py` measures each; README "Memory plan"):

@@ -127,7 +127,7 @@ def setup(config, workdir: str, world) -> tuple[Job, TrainState]:
     if batch % jax.device_count():
         raise ConfigError(f"train.prompts_per_iteration x train.group_size = {batch} must be divisible by the {jax.device_count()} devices")
     shards = parallel.batch_shards(mesh)
-    if t_cfg.rollout_chunk and (batch % t_cfg.rollout_chunk or t_cfg.rollout_chunk % shards):
+    if 0 < t_cfg.rollout_chunk < batch and (batch % t_cfg.rollout_chunk or t_cfg.rollout_chunk % shards):
         raise ConfigError(f"train.rollout_chunk={t_cfg.rollout_chunk} must divide the {batch} rows of an iteration and be a "
                           f"multiple of the {shards} batch shards of the mesh")
     if t_cfg.microbatch and t_cfg.microbatch % shards:
