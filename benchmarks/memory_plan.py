@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if __name__ == "__main__":  # the simulated meshes: 8 CPU devices, set before jax starts (not when imported by another script)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -34,7 +36,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from flowrl_jax import config_lib, credit as credit_lib, objectives, parallel  # noqa: E402
-from flowrl_jax.models.sd3 import abstract_pipeline  # noqa: E402
+from flowrl_jax.models.sd3 import SD35_MEDIUM, build_pipeline  # noqa: E402
 from flowrl_jax.policy import Policy  # noqa: E402
 from flowrl_jax.steps import initial_state, make_optimizer, make_rollout_fn, make_update_fn, sampler_levels  # noqa: E402
 from flowrl_jax.worlds.sd3 import SD3World  # noqa: E402
@@ -83,14 +85,14 @@ def target_config(target: str, prompts: int):
     return config, plan
 
 
-def compile_phases(target: str, prompts: int) -> dict:
-    """Per-device bytes of each phase of one iteration at `prompts` x 24 rows on `target`'s simulated mesh."""
-    config, plan = target_config(target, prompts)
-    devices = jax.devices()[: plan["devices"]]
+def build_job(config, devices, components: dict = SD35_MEDIUM) -> SimpleNamespace:
+    """The train job's jitted rollout, decode and update for `config` on a mesh of `devices`, with the abstract
+    (sharded `ShapeDtypeStruct`) arguments to lower them on; `init_frozen` / `init_state` make real ones."""
     mesh = parallel.make_mesh(config.mesh, devices=devices)
     w, t, s = config.world, config.train, config.sampler
-    pipe, frozen = abstract_pipeline(dtype=jnp.dtype(w.dtype), param_dtype=jnp.dtype(w.param_dtype), remat=w.remat,
-                                     clip_max_length=w.clip_max_length, t5_max_length=w.t5_max_length, shift=s.shift)
+    pipe, init_frozen = build_pipeline(components, dtype=jnp.dtype(w.dtype), param_dtype=jnp.dtype(w.param_dtype), remat=w.remat,
+                                       clip_max_length=w.clip_max_length, t5_max_length=w.t5_max_length, shift=s.shift)
+    frozen = jax.eval_shape(init_frozen, jax.random.PRNGKey(0))
     world = SD3World.around(config, pipe, parallel.batch_sharding(mesh))
     policy = Policy(pipe.dit, t.lora_rank, t.lora_init)
     objective = objectives.get(config.objective.name)
@@ -99,21 +101,18 @@ def compile_phases(target: str, prompts: int) -> dict:
     optimizer = make_optimizer(t)
     rules, min_size = config.partition_rules, config.min_fsdp_size
     frozen_sh = parallel.tree_shardings(frozen, mesh, rules, min_size)
-    state = jax.eval_shape(lambda r: initial_state(policy, optimizer, credit, objective, config, 0, frozen["dit"], r), jax.random.PRNGKey(0))
+    init_state = lambda f, r: initial_state(policy, optimizer, credit, objective, config, 0, f["dit"], r)  # noqa: E731
+    state = jax.eval_shape(init_state, frozen, jax.random.PRNGKey(0))
     state_sh = parallel.tree_shardings(state, mesh, rules, min_size)
     data_sh, rep = parallel.batch_sharding(mesh), NamedSharding(mesh, P())
-    batch = prompts * t.group_size
+    batch = t.prompts_per_iteration * t.group_size
     ids = jax.ShapeDtypeStruct((batch, sum(pipe.lengths)), jnp.int32, sharding=data_sh)
     mask = jax.ShapeDtypeStruct(ids.shape, jnp.bool_, sharding=data_sh)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)
     frozen_abs, state_abs = _abstract(frozen, frozen_sh), _abstract(state, state_sh)
-
     rollout_fn = jax.jit(make_rollout_fn(policy, world, config, data_sh), in_shardings=(state_sh.params, frozen_sh, data_sh, data_sh, rep))
-    rollout = rollout_fn.lower(state_abs.params, frozen_abs, ids, mask, key).compile()
     ro, cond, null = jax.eval_shape(rollout_fn, state_abs.params, frozen_abs, ids, mask, key)
     final = jax.ShapeDtypeStruct((batch,) + ro.next_states.shape[2:], ro.next_states.dtype, sharding=data_sh)
-    decode = jax.jit(world.decode_rows).lower(frozen_abs["vae"], final).compile()
-
     slots = objective.slots(options, np.asarray(sampler_levels(s)))
     pairs = -(-batch * len(slots) // t.minibatches)
     pairs = -(-pairs // t.microbatch) * t.microbatch if t.microbatch else pairs
@@ -124,8 +123,21 @@ def compile_phases(target: str, prompts: int) -> dict:
     index = lambda dtype: jax.ShapeDtypeStruct((pairs,), dtype, sharding=rep)  # noqa: E731
     update_fn = jax.jit(make_update_fn(policy, objective, options, optimizer, config, None, data_sh),
                         out_shardings=(state_sh, None), donate_argnums=0)
-    update = update_fn.lower(state_abs, frozen_abs, data, index(jnp.int32), index(jnp.int32), index(jnp.float32)).compile()
+    return SimpleNamespace(
+        config=config, mesh=mesh, batch=batch, pairs=pairs, slots=slots, rollout=rollout_fn, decode=jax.jit(world.decode_rows),
+        update=update_fn, frozen=frozen_abs, state=state_abs, data=data,
+        rollout_args=(state_abs.params, frozen_abs, ids, mask, key), decode_args=(frozen_abs["vae"], final),
+        update_args=(state_abs, frozen_abs, data, index(jnp.int32), index(jnp.int32), index(jnp.float32)),
+        init_frozen=jax.jit(init_frozen, out_shardings=frozen_sh), init_state=jax.jit(init_state, out_shardings=state_sh),
+        sizes={"frozen": _bytes(frozen), "trainable": _bytes(state.params), "state": _bytes(state)})
 
+
+def compile_phases(target: str, prompts: int) -> dict:
+    """Per-device bytes of each phase of one iteration at `prompts` x 24 rows on `target`'s simulated mesh."""
+    config, plan = target_config(target, prompts)
+    job = build_job(config, jax.devices()[: plan["devices"]])
+    rollout, decode, update = (getattr(job, n).lower(*getattr(job, n + "_args")).compile() for n in ("rollout", "decode", "update"))
+    frozen_abs, state_abs, data, batch, pairs = job.frozen, job.state, job.data, job.batch, job.pairs
     live = _device_bytes(frozen_abs) + _device_bytes(state_abs)  # alive the whole run
     stored = _device_bytes(data)  # the iteration's rollout, alive from the rollout to the update's end
     phases = {name: _analysis(c) for name, c in (("rollout", rollout), ("decode", decode), ("update", update))}
@@ -134,7 +146,7 @@ def compile_phases(target: str, prompts: int) -> dict:
         phases[name]["peak"] = live + stored + phases[name]["temp"] + phases[name]["outputs"]
     return {"prompts": prompts, "batch": batch, "minibatch_pairs": pairs, "phases": phases, "live": live, "stored": stored,
             "peak": max(p["peak"] for p in phases.values()),
-            "params": {"frozen": _bytes(frozen), "trainable": _bytes(state.params), "state": _bytes(state)},
+            "params": job.sizes,
             "per_row": {"rollout": _bytes(data) / batch}}
 
 

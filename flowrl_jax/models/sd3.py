@@ -184,22 +184,31 @@ SD35_MEDIUM = {
 }
 
 
-def abstract_pipeline(components: dict = SD35_MEDIUM, dtype=jnp.bfloat16, param_dtype=jnp.float32, remat: bool = False,
-                      clip_max_length: int = 77, t5_max_length: int = 256, shift: float = 3.0) -> tuple[SD3Pipeline, dict]:
-    """(SD3Pipeline without tokenizers, its params as `jax.ShapeDtypeStruct`s) for `components` (default SD3.5-M):
-    everything `jax.jit(...).lower` needs to compile the pipeline's functions, no weights. Without tokenizers,
-    `tokenize` gives zeros of the right shape."""
+def build_pipeline(components: dict = SD35_MEDIUM, dtype=jnp.bfloat16, param_dtype=jnp.float32, remat: bool = False,
+                   clip_max_length: int = 77, t5_max_length: int = 256, shift: float = 3.0):
+    """(SD3Pipeline without tokenizers, `init(rng) -> params`) for `components` (default SD3.5-M): random weights
+    for throughput runs (`benchmarks/gpu_real_size.py`), or their shapes alone (`abstract_pipeline`). Without
+    tokenizers, `tokenize` gives zeros of the right shape."""
     kw = dict(dtype=dtype, param_dtype=param_dtype)
     dit = MMDiT(**components["dit"], remat=remat, **kw)
     clip_l, clip_g = (clip_text.CLIPTextEncoder(**components[k], **kw) for k in ("clip_l", "clip_g"))
     t5 = t5_lib.T5Encoder(**components["t5"], **kw)
     vae = vae_lib.AutoencoderKL(**components["vae"], **kw)
     pipe = SD3Pipeline(dit, clip_l, clip_g, t5, vae, (None, None, None), shift, clip_max_length, t5_max_length)
-    rng = jax.random.PRNGKey(0)
-    params = jax.eval_shape(lambda: {
-        "dit": dit.init(rng, *dit.dummy_inputs(1, 1, 8, 8))["params"],
-        "text": {"clip_l": clip_l.init(rng, jnp.zeros((1, clip_max_length), jnp.int32))["params"],
-                 "clip_g": clip_g.init(rng, jnp.zeros((1, clip_max_length), jnp.int32))["params"],
-                 "t5": t5.init(rng, jnp.zeros((1, t5_max_length), jnp.int32))["params"]},
-        "vae": vae.init(rng, jnp.zeros((1, 16, 16, 3)))["params"]})
-    return pipe, params
+
+    def init(rng) -> dict:
+        keys = jax.random.split(rng, 5)
+        clip_ids, t5_ids = jnp.zeros((1, clip_max_length), jnp.int32), jnp.zeros((1, t5_max_length), jnp.int32)
+        return {"dit": dit.init(keys[0], *dit.dummy_inputs(1, 1, 8, 8))["params"],
+                "text": {"clip_l": clip_l.init(keys[1], clip_ids)["params"], "clip_g": clip_g.init(keys[2], clip_ids)["params"],
+                         "t5": t5.init(keys[3], t5_ids)["params"]},
+                "vae": vae.init(keys[4], jnp.zeros((1, 16, 16, 3)))["params"]}
+
+    return pipe, init
+
+
+def abstract_pipeline(components: dict = SD35_MEDIUM, **kwargs) -> tuple[SD3Pipeline, dict]:
+    """(SD3Pipeline, its params as `jax.ShapeDtypeStruct`s): what `jax.jit(...).lower` needs to compile the
+    pipeline's functions, no weights (`build_pipeline`'s keyword arguments)."""
+    pipe, init = build_pipeline(components, **kwargs)
+    return pipe, jax.eval_shape(init, jax.random.PRNGKey(0))
