@@ -9,12 +9,14 @@ forward/backward, remat) applied to `config_lib.sd35m_train_config()`: bf16 comp
 log-probs, LoRA rank 32, the DiT and the three text encoders FSDP-sharded over every device. The functions are the
 train job's own (`steps.make_rollout_fn`, `make_update_fn`, `SD3World.decode_rows`), jitted with the job's shardings,
 lowered on `jax.ShapeDtypeStruct`s and compiled by XLA:CPU for the target's device count (8 simulated CPU devices;
-a GPU target is one). A phase's peak per device = arguments + outputs - donated + XLA's temp buffers, plus the
-train state's parts alive but not passed (the EMA, Adam's moments). XLA:TPU and XLA:GPU schedule buffers
+a GPU target is one). A phase's peak per device = what stays alive (the frozen weights and the whole train state,
+per-device shards) + the stored rollout (from the rollout to the end of the update) + the phase's XLA temp buffers
+and new outputs (`memory_analysis`); `all_gathered` sums the all-gathers' results (FSDP weights brought to each
+device; how many are alive at once is the schedule's). XLA:TPU and XLA:GPU schedule buffers
 differently (and use flash-style attention kernels only where told): the figures are the CPU compiler's, the hand
 estimate says where they come from. Everything that grows with the batch (the stored trajectories, conditions,
-images) is linear in it: compiled at the config's 48 prompts and at 2x, the largest batch that fits in 90% of the
-device's memory is the line's crossing (checked by compiling it).
+images) is linear in it, the temp buffers are not (one chunk's, one microbatch's): the largest batch that fits in 90% of the
+device's memory follows from the stored bytes per prompt (`--check` compiles it to confirm).
 """
 from __future__ import annotations
 
@@ -174,10 +176,16 @@ def hand_estimate(target: str, prompts: int, sizes: dict) -> dict:
             "update_activations": update_act, "peak": weights + stored + max(rollout_act, update_act)}
 
 
-def largest_prompts(low: dict, slope: float, memory_gb: float, base_prompts: int, chunk: int, group: int) -> int:
-    """The most prompts per iteration whose linear peak fits in HEADROOM x `memory_gb`, with the batch a whole
-    number of rollout chunks."""
-    n = int((HEADROOM * memory_gb * GB - low["peak"]) // slope) + base_prompts if slope > 0 else 0
+def largest_prompts(low: dict, memory_gb: float, chunk: int, group: int) -> int:
+    """The most prompts per iteration that fit in HEADROOM x `memory_gb` per device, the batch a whole number of
+    rollout chunks. Of a phase's peak only what holds rows grows with them (the stored rollout; the decode's images),
+    linearly; the temp buffers are one chunk's or microbatch's (measured: the same at 48 and 96 prompts)."""
+    n = None
+    for name, phase in low["phases"].items():
+        grows = low["stored"] + (phase["outputs"] if name == "decode" else 0)
+        fixed = phase["peak"] - grows
+        fits = int((HEADROOM * memory_gb * GB - fixed) // (grows / low["prompts"]))
+        n = fits if n is None else min(n, fits)
     while n > 0 and (n * group) % (chunk or 1):
         n -= 1
     return max(n, 0)
@@ -192,18 +200,17 @@ def main() -> None:
     base = config_lib.sd35m_train_config().train
     results = {}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    if os.path.isfile(args.out):  # targets measured before are kept (each takes ~15 min of compiling on 2 cores)
+    if os.path.isfile(args.out):  # targets measured before are kept (each takes minutes of compiling on 2 cores)
         with open(args.out) as f:
             results = json.load(f)
     for target in args.targets.split(","):
         plan = config_lib.MEMORY_PLANS[target]
         t0 = time.time()
-        low, high = compile_phases(target, base.prompts_per_iteration), compile_phases(target, 2 * base.prompts_per_iteration)
-        slope = (high["peak"] - low["peak"]) / base.prompts_per_iteration  # bytes per prompt (a group of rows)
-        largest = {str(gb): largest_prompts(low, slope, gb, base.prompts_per_iteration, plan["rollout_chunk"], base.group_size)
+        low = compile_phases(target, base.prompts_per_iteration)
+        largest = {str(gb): largest_prompts(low, gb, plan["rollout_chunk"], base.group_size)
                    for gb in (plan["memory_gb"],) + tuple(plan.get("also_gb", ()))}
         check = compile_phases(target, largest[str(plan["memory_gb"])]) if args.check and largest[str(plan["memory_gb"])] else None
-        results[target] = {"plan": plan, "low": low, "high": high, "bytes_per_prompt": slope,
+        results[target] = {"plan": plan, "low": low, "bytes_per_prompt": low["stored"] / low["prompts"],
                            "hand": hand_estimate(target, base.prompts_per_iteration, low), "largest_prompts": largest,
                            "at_largest": check, "compile_s": time.time() - t0}
         with open(args.out, "w") as f:

@@ -305,6 +305,16 @@ class JointBlock(nn.Module):
         return x, context
 
 
+def block_runs(kinds) -> list[tuple[int, int]]:
+    """[(start, stop)] of the maximal runs of consecutive equal `kinds` (a block's structure)."""
+    runs, start = [], 0
+    for i in range(1, len(kinds) + 1):
+        if i == len(kinds) or kinds[i] != kinds[start]:
+            runs.append((start, i))
+            start = i
+    return runs
+
+
 class MMDiT(nn.Module):
     """SD3-style multimodal DiT; hyper-parameters as diffusers' `SD3Transformer2DModel` (module doc)."""
 
@@ -326,7 +336,7 @@ class MMDiT(nn.Module):
     dtype: Dtype = jnp.float32  # compute dtype
     param_dtype: Dtype = jnp.float32
     lora_alpha: float = 64.0  # LoRA scale is lora_alpha / rank (only used when adapters are passed)
-    remat: bool = False  # rematerialize each block in the backward pass (jax.checkpoint)
+    remat: bool = False  # rematerialize each block in the backward pass (jax.checkpoint; runs of equal blocks scanned)
 
     @property
     def inner_dim(self) -> int:
@@ -345,6 +355,22 @@ class MMDiT(nn.Module):
             jnp.zeros((batch, text_len, self.joint_attention_dim), jnp.float32),
             jnp.zeros((batch, self.pooled_projection_dim), jnp.float32),
         )
+
+    def _scanned_run(self, start: int, stop: int, kind, block_kw: dict, h, context, temb):
+        """Blocks `start .. stop - 1` (one structure) as a `lax.scan` of a rematerialized block over their variables
+        stacked on a leading axis (every collection: params, LoRA adapters). In a scan each block's recomputation
+        waits for the backward pass to reach it on every backend; in an unrolled chain XLA:CPU schedules all of
+        them early and remat saves nothing (WORKSPACE_NOTES.md, the memory plan)."""
+        names = [f"transformer_blocks_{i}" for i in range(start, stop)]
+        stacked = {col: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *(tree[n] for n in names))
+                   for col, tree in self.variables.items() if all(n in tree for n in names)}
+        block = JointBlock(dual_attention=kind[0], context_pre_only=kind[1], parent=None, **block_kw)
+
+        def body(carry, variables):
+            return block.apply(variables, *carry, temb), None
+
+        (h, context), _ = jax.lax.scan(jax.checkpoint(body, prevent_cse=False), (h, context), stacked)
+        return h, context
 
     @nn.compact
     def __call__(self, x: jax.Array, t: jax.Array, text_tokens: jax.Array, pooled: jax.Array) -> jax.Array:
@@ -373,19 +399,21 @@ class MMDiT(nn.Module):
 
         context = dense(self.caption_projection_dim, name="context_embedder")(text_tokens)
 
-        block_cls = nn.remat(JointBlock) if self.remat else JointBlock
-        for i in range(self.num_layers):
-            h, context = block_cls(
-                dim=dim,
-                heads=self.num_attention_heads,
-                head_dim=self.attention_head_dim,
-                qk_norm=self.qk_norm,
-                context_pre_only=i == self.num_layers - 1,
-                dual_attention=i in tuple(self.dual_attention_layers),
-                dense=dense,
-                param_dtype=self.param_dtype,
-                name=f"transformer_blocks_{i}",
-            )(h, context, temb)
+        kinds = [(i in tuple(self.dual_attention_layers), i == self.num_layers - 1) for i in range(self.num_layers)]
+        block_kw = dict(dim=dim, heads=self.num_attention_heads, head_dim=self.attention_head_dim, qk_norm=self.qk_norm, dense=dense,
+                        param_dtype=self.param_dtype)
+        if self.remat and not self.is_initializing():
+            for start, stop in block_runs(kinds):
+                if stop - start == 1:
+                    h, context = nn.remat(JointBlock)(dual_attention=kinds[start][0], context_pre_only=kinds[start][1],
+                                                      name=f"transformer_blocks_{start}", **block_kw)(h, context, temb)
+                else:
+                    h, context = self._scanned_run(start, stop, kinds[start], block_kw, h, context, temb)
+        else:
+            block_cls = nn.remat(JointBlock) if self.remat else JointBlock
+            for i in range(self.num_layers):
+                h, context = block_cls(dual_attention=kinds[i][0], context_pre_only=kinds[i][1], name=f"transformer_blocks_{i}",
+                                       **block_kw)(h, context, temb)
 
         scale, shift = Modulation(dim, 2, dense, name="norm_out")(temb)
         h = modulate(layer_norm(h), shift, scale)
