@@ -129,7 +129,9 @@ def sd35m_train_config(rewards=(("jpeg_compressibility", 1.0),), beta: float = 0
 MEMORY_PLANS = {
     "v5p-8": dict(devices=4, memory_gb=95, rollout_chunk=32, microbatch=16, remat=True),
     "v6e-8": dict(devices=8, memory_gb=32, rollout_chunk=16, microbatch=8, remat=True),
-    "gpu": dict(devices=1, memory_gb=80, also_gb=(141,), rollout_chunk=8, microbatch=4, remat=True),  # one H100 (an H200: 141 GB)
+    # one H100 (an H200: 141 GB); frozen weights in bf16 (as flow_grpo loads them for LoRA): float32 they and their
+    # bf16 copies leave no room for the 48-prompt batch (benchmarks/results/memory_plan.json, WORKSPACE_NOTES.md)
+    "gpu": dict(devices=1, memory_gb=80, also_gb=(141,), rollout_chunk=8, microbatch=4, remat=True, param_dtype="bfloat16"),
 }
 
 
@@ -141,4 +143,5 @@ def apply_memory_plan(config: ConfigDict, target: str) -> ConfigDict:
     config.mesh = (("data", 1), ("fsdp", -1))
     config.train.update(rollout_chunk=plan["rollout_chunk"], microbatch=plan["microbatch"])
     config.world.remat = plan["remat"]
+    config.world.param_dtype = plan.get("param_dtype", "float32")  # the frozen weights' (LoRA adapters stay float32)
     return config
