@@ -21,6 +21,7 @@ import re
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -116,7 +117,7 @@ def batch_shards(mesh: jax.sharding.Mesh, axes: Sequence[str] = BATCH_AXES) -> i
 def to_row_chunks(x: jax.Array, num_chunks: int, shards: int) -> jax.Array:
     """[B, ...] batch-sharded in `shards` contiguous pieces -> [num_chunks, B / num_chunks, ...], chunk `i`
     holding rows `i * per .. (i + 1) * per - 1` of every piece (`per = B / (shards * num_chunks)`): every chunk
-    spans every shard, so a `lax.map` over the chunks moves no data between devices. `from_row_chunks` inverts."""
+    spans every shard, so a loop over the chunks moves no data between devices (`map_row_chunks`)."""
     b = x.shape[0]
     if b % (shards * num_chunks):
         raise ValueError(f"a batch of {b} rows cannot be cut into {num_chunks} chunks over {shards} batch shards")
@@ -124,11 +125,27 @@ def to_row_chunks(x: jax.Array, num_chunks: int, shards: int) -> jax.Array:
     return x.reshape((shards, num_chunks, per) + x.shape[1:]).swapaxes(0, 1).reshape((num_chunks, shards * per) + x.shape[1:])
 
 
-def from_row_chunks(x: jax.Array, shards: int) -> jax.Array:
-    """[num_chunks, C, ...] -> [num_chunks * C, ...], the inverse of `to_row_chunks`."""
-    n, c = x.shape[:2]
-    per = c // shards
-    return x.reshape((n, shards, per) + x.shape[2:]).swapaxes(0, 1).reshape((n * c,) + x.shape[2:])
+def map_row_chunks(fn: Callable, inputs: Any, num_chunks: int, shards: int, sharding: NamedSharding | None = None) -> Any:
+    """Inside jit: `fn(i, chunk_inputs) -> chunk_outputs` over the `num_chunks` row chunks of `inputs` (batch-leading
+    pytree; chunk i as `to_row_chunks` cuts it, spanning every shard), one chunk at a time (`lax.fori_loop`), each
+    chunk's outputs written in place into buffers already in the rows' own order: the outputs exist once, with no
+    stacked copy and no transpose (which would hold them twice at the end). `sharding`: the batch's, for the buffers."""
+    chunked = jax.tree_util.tree_map(lambda a: to_row_chunks(a, num_chunks, shards), inputs)
+    take = lambda i: jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), chunked)  # noqa: E731
+    shapes = jax.eval_shape(fn, 0, take(0))
+
+    def empty(s):
+        per = s.shape[0] // shards
+        buffer = jnp.zeros((shards, num_chunks, per) + s.shape[1:], s.dtype)
+        return jax.lax.with_sharding_constraint(buffer, sharding) if sharding is not None else buffer
+
+    def body(i, buffers):
+        out = fn(i, take(i))
+        return jax.tree_util.tree_map(lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o.reshape((shards, 1) + b.shape[2:]), i, 1),
+                                      buffers, out)
+
+    buffers = jax.lax.fori_loop(0, num_chunks, body, jax.tree_util.tree_map(empty, shapes))
+    return jax.tree_util.tree_map(lambda b: b.reshape((b.shape[0] * b.shape[1] * b.shape[2],) + b.shape[3:]), buffers)
 
 
 def constrain_rows(tree: Any, sharding: NamedSharding | None, rows: int) -> Any:

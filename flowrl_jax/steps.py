@@ -55,11 +55,11 @@ def make_optimizer(t_cfg) -> optax.GradientTransformation:
 
 def make_rollout_fn(policy: Policy, world, config, row_sharding: jax.sharding.NamedSharding | None = None) -> Callable:
     """jit-able `(trainable, frozen, ids, mask, rng) -> (Rollout, cond, null)`. With `train.rollout_chunk`
-    (rows per chunk, 0 = all) the rows are sampled `rollout_chunk` at a time (`lax.map`; each chunk spans the
-    batch shards of `row_sharding`, `parallel.to_row_chunks`), so the activations held at once are one chunk's:
-    the memory plan's rollout knob. The initial noise is the whole batch's either way; the step noise of chunk
-    `i` comes from `fold_in(key, i)`, so a chunked rollout is another draw of the same process. The outputs'
-    rows are sharded like the batch (`row_sharding`), not left to the compiler."""
+    (rows per chunk, 0 = all) the rows are sampled `rollout_chunk` at a time (`parallel.map_row_chunks`: each chunk
+    spans the batch shards of `row_sharding`, its outputs are written in place), so the activations held at once
+    are one chunk's: the memory plan's rollout knob. The initial noise is the whole batch's either way; the step
+    noise of chunk `i` comes from `fold_in(key, i)`, so a chunked rollout is another draw of the same process.
+    The outputs' rows are sharded like the batch (`row_sharding`), not left to the compiler."""
     s, t = config.sampler, config.train
     sigmas = schedule.sigmas(s.num_steps, s.shift)
     levels = sampler_levels(s)
@@ -78,17 +78,13 @@ def make_rollout_fn(policy: Policy, world, config, row_sharding: jax.sharding.Na
         x_T = rollout_lib.initial_noise(k_noise, world.latent_shape(ids.shape[0]), t.group_size, s.same_noise_per_group)
         if not chunk or chunk >= ids.shape[0]:
             return parallel.constrain_rows(rows_rollout(trainable, frozen, ids, mask, x_T, k_steps), row_sharding, ids.shape[0])
-        num_chunks = ids.shape[0] // chunk
-        per_row = jax.tree_util.tree_map(lambda a: parallel.to_row_chunks(a, num_chunks, shards), (ids, mask, x_T))
-
-        def one_chunk(inputs):
-            i, (ids_c, mask_c, x_c) = inputs
+        def one_chunk(i, rows):
+            ids_c, mask_c, x_c = rows
             ro, cond, null = rows_rollout(trainable, frozen, ids_c, mask_c, x_c, jax.random.fold_in(k_steps, i))
             return ro.replace(sigmas=None, noise_levels=None), cond, null  # per-row parts only
 
-        out = jax.lax.map(one_chunk, (jnp.arange(num_chunks), per_row))
-        ro, cond, null = parallel.constrain_rows(jax.tree_util.tree_map(lambda a: parallel.from_row_chunks(a, shards), out),
-                                                 row_sharding, ids.shape[0])
+        out = parallel.map_row_chunks(one_chunk, (ids, mask, x_T), ids.shape[0] // chunk, shards, row_sharding)
+        ro, cond, null = parallel.constrain_rows(out, row_sharding, ids.shape[0])
         return ro.replace(sigmas=sigmas, noise_levels=levels), cond, null
 
     return rollout_fn

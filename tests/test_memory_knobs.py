@@ -33,25 +33,22 @@ def _batch(config, world, steps):
     return prompts, parallel.shard_batch(world.tokenize(prompts), steps.mesh)
 
 
-def test_row_chunks_take_rows_from_every_shard_and_invert():
+def test_row_chunks_take_rows_from_every_shard_and_come_back_in_place():
     x = np.arange(48).reshape(24, 2)
     chunks = parallel.to_row_chunks(jnp.asarray(x), num_chunks=3, shards=4)  # 4 shards of 6 rows, 2 rows each per chunk
     expected = np.stack([x[[s * 6 + i * 2 + j for s in range(4) for j in range(2)]] for i in range(3)])
     np.testing.assert_array_equal(chunks, expected)
-    np.testing.assert_array_equal(parallel.from_row_chunks(chunks, shards=4), x)
+    out = parallel.map_row_chunks(lambda i, c: (c * 10, jnp.full(c.shape[:1], i)), jnp.asarray(x), num_chunks=3, shards=4)
+    np.testing.assert_array_equal(out[0], x * 10)  # every row back in its place
+    np.testing.assert_array_equal(out[1], (np.arange(24) % 6) // 2)  # row r of shard s was in chunk (r mod 6) // 2
     with pytest.raises(ValueError, match="cannot be cut into 5 chunks over 4 batch shards"):
         parallel.to_row_chunks(jnp.asarray(x), num_chunks=5, shards=4)
 
 
 def test_a_map_over_row_chunks_of_a_sharded_batch_moves_no_data():
     mesh = parallel.make_mesh((("data", 4), ("fsdp", 2)))
-    shards = parallel.batch_shards(mesh)
-
-    def f(x):
-        out = jax.lax.map(lambda c: jnp.tanh(c) * 2.0, parallel.to_row_chunks(x, 4, shards))
-        return parallel.from_row_chunks(out, shards)
-
-    sharding = parallel.batch_sharding(mesh)
+    shards, sharding = parallel.batch_shards(mesh), parallel.batch_sharding(mesh)
+    f = lambda x: parallel.map_row_chunks(lambda i, c: jnp.tanh(c) * 2.0, x, 4, shards, sharding)  # noqa: E731
     hlo = jax.jit(f, in_shardings=sharding, out_shardings=sharding).lower(jnp.zeros((64, 16))).compile().as_text()
     for collective in ("all-to-all", "all-gather", "collective-permute", "all-reduce"):
         assert collective not in hlo, collective

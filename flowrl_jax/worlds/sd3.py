@@ -147,8 +147,8 @@ class SD3World:
         if not chunk or chunk >= x.shape[0]:
             return self.pipe.decode(vae_params, x)
         shards = parallel.batch_shards(self._rows.mesh)
-        out = jax.lax.map(lambda c: self.pipe.decode(vae_params, c), parallel.to_row_chunks(x, x.shape[0] // chunk, shards))
-        return parallel.constrain_rows(parallel.from_row_chunks(out, shards), self._rows, x.shape[0])
+        out = parallel.map_row_chunks(lambda i, c: self.pipe.decode(vae_params, c), x, x.shape[0] // chunk, shards, self._rows)
+        return parallel.constrain_rows(out, self._rows, x.shape[0])
 
     # ---------------------------------------------------------------------------------------- prompts
     def sample_prompts(self, n: int, rng: np.random.Generator) -> np.ndarray:
