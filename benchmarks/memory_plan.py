@@ -134,9 +134,12 @@ def build_job(config, devices, components: dict = SD35_MEDIUM) -> SimpleNamespac
         sizes={"frozen": _bytes(frozen), "trainable": _bytes(state.params), "state": _bytes(state)})
 
 
-def compile_phases(target: str, prompts: int) -> dict:
-    """Per-device bytes of each phase of one iteration at `prompts` x 24 rows on `target`'s simulated mesh."""
+def compile_phases(target: str, prompts: int, float32: bool = False) -> dict:
+    """Per-device bytes of each phase of one iteration at `prompts` x 24 rows on `target`'s simulated mesh
+    (`float32`: weights and compute in float32, for the activations' bound, `native_bf16`)."""
     config, plan = target_config(target, prompts)
+    if float32:
+        config.world.update(dtype="float32", param_dtype="float32")
     job = build_job(config, jax.devices()[: plan["devices"]])
     rollout, decode, update = (getattr(job, n).lower(*getattr(job, n + "_args")).compile() for n in ("rollout", "decode", "update"))
     frozen_abs, state_abs, data, batch, pairs = job.frozen, job.state, job.data, job.batch, job.pairs
@@ -176,6 +179,15 @@ def hand_estimate(target: str, prompts: int, sizes: dict) -> dict:
             "update_activations": update_act, "peak": weights + stored + max(rollout_act, update_act)}
 
 
+def native_bf16(low: dict, f32: dict) -> dict:
+    """The plan's phases with XLA:CPU's bf16 temp replaced by the float32 compile's: XLA:CPU computes bf16 dots in
+    float32 and keeps float32 copies of the bf16 weights as temp (26.7 GB of the gpu plan's 37.1 GB rollout temp),
+    which TPUs and GPUs, computing in bf16, do not make; float32 activations bound the bf16 ones (twice their size)."""
+    phases = {n: {**p, "temp": f32["phases"][n]["temp"], "peak": p["peak"] - p["temp"] + f32["phases"][n]["temp"]}
+              for n, p in low["phases"].items()}
+    return {**low, "phases": phases, "peak": max(p["peak"] for p in phases.values())}
+
+
 def largest_prompts(low: dict, memory_gb: float, chunk: int, group: int) -> int:
     """The most prompts per iteration that fit in HEADROOM x `memory_gb` per device, the batch a whole number of
     rollout chunks. Of a phase's peak only what holds rows grows with them (the stored rollout; the decode's images),
@@ -207,25 +219,26 @@ def main() -> None:
         plan = config_lib.MEMORY_PLANS[target]
         t0 = time.time()
         low = compile_phases(target, base.prompts_per_iteration)
-        largest = {str(gb): largest_prompts(low, gb, plan["rollout_chunk"], base.group_size)
-                   for gb in (plan["memory_gb"],) + tuple(plan.get("also_gb", ()))}
+        native = native_bf16(low, compile_phases(target, base.prompts_per_iteration, float32=True))
+        memories = (plan["memory_gb"],) + tuple(plan.get("also_gb", ()))
+        largest = {str(gb): largest_prompts(native, gb, plan["rollout_chunk"], base.group_size) for gb in memories}
+        largest_cpu = {str(gb): largest_prompts(low, gb, plan["rollout_chunk"], base.group_size) for gb in memories}
         check = compile_phases(target, largest[str(plan["memory_gb"])]) if args.check and largest[str(plan["memory_gb"])] else None
-        results[target] = {"plan": plan, "low": low, "bytes_per_prompt": low["stored"] / low["prompts"],
+        results[target] = {"plan": plan, "low": low, "native_bf16": native, "bytes_per_prompt": low["stored"] / low["prompts"],
                            "hand": hand_estimate(target, base.prompts_per_iteration, low), "largest_prompts": largest,
-                           "at_largest": check, "compile_s": time.time() - t0}
+                           "largest_prompts_xla_cpu": largest_cpu, "at_largest": check, "compile_s": time.time() - t0}
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
-    print(f"per-device GB, Flow-GRPO on SD3.5-M at {base.prompts_per_iteration} prompts x {base.group_size} "
-          f"(XLA:CPU memory analysis on a simulated mesh; hand estimate in brackets)")
-    print(f"{'target':8s} {'dev':>3s} {'weights+state':>13s} {'rollout':>8s} {'rollout':>8s} {'decode':>7s} {'update':>7s} "
-          f"{'peak':>14s} {'memory':>7s} {'GB/prompt':>9s} {'largest prompts x 24':>20s}")
-    print(f"{'':8s} {'':>3s} {'':>13s} {'stored':>8s} {'peak':>8s} {'peak':>7s} {'peak':>7s}")
+    print(f"per-device GB, Flow-GRPO on SD3.5-M at {base.prompts_per_iteration} prompts x {base.group_size}: XLA:CPU's compiled peak, "
+          "the bf16 bound (float32 temp in place of XLA:CPU's bf16 temp), the hand estimate; largest prompts by the bound")
+    print(f"{'target':8s} {'dev':>3s} {'weights+state':>13s} {'stored':>7s} {'rollout':>8s} {'decode':>7s} {'update':>7s} "
+          f"{'XLA:CPU':>8s} {'bound':>6s} {'hand':>5s} {'memory':>7s} {'GB/prompt':>9s}  largest prompts x 24")
     for target, r in results.items():
-        low, hand, ph = r["low"], r["hand"], r["low"]["phases"]
+        low, ph = r["low"], r["native_bf16"]["phases"]
         fits = ", ".join(f"{n} ({gb} GB)" for gb, n in r["largest_prompts"].items())
-        print(f"{target:8s} {r['plan']['devices']:3d} {low['live'] / GB:13.1f} {low['stored'] / GB:8.2f} {ph['rollout']['peak'] / GB:8.1f} "
-              f"{ph['decode']['peak'] / GB:7.1f} {ph['update']['peak'] / GB:7.1f} {low['peak'] / GB:6.1f} [{hand['peak'] / GB:5.1f}] "
-              f"{r['plan']['memory_gb']:7d} {r['bytes_per_prompt'] / GB:9.3f} {fits:>20s}")
+        print(f"{target:8s} {r['plan']['devices']:3d} {low['live'] / GB:13.1f} {low['stored'] / GB:7.2f} {ph['rollout']['peak'] / GB:8.1f} "
+              f"{ph['decode']['peak'] / GB:7.1f} {ph['update']['peak'] / GB:7.1f} {low['peak'] / GB:8.1f} {r['native_bf16']['peak'] / GB:6.1f} "
+              f"{r['hand']['peak'] / GB:5.1f} {r['plan']['memory_gb']:7d} {r['bytes_per_prompt'] / GB:9.3f}  {fits}")
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
 
