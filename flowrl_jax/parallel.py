@@ -128,8 +128,8 @@ def to_row_chunks(x: jax.Array, num_chunks: int, shards: int) -> jax.Array:
 def map_row_chunks(fn: Callable, inputs: Any, num_chunks: int, shards: int, sharding: NamedSharding | None = None) -> Any:
     """Inside jit: `fn(i, chunk_inputs) -> chunk_outputs` over the `num_chunks` row chunks of `inputs` (batch-leading
     pytree; chunk i as `to_row_chunks` cuts it, spanning every shard), one chunk at a time (`lax.fori_loop`), each
-    chunk's outputs written in place into buffers already in the rows' own order: the outputs exist once, with no
-    stacked copy and no transpose (which would hold them twice at the end). `sharding`: the batch's, for the buffers."""
+    chunk's outputs written into buffers already in the rows' own order (no stacked outputs to transpose back).
+    `sharding`: the batch's, for the buffers."""
     chunked = jax.tree_util.tree_map(lambda a: to_row_chunks(a, num_chunks, shards), inputs)
     take = lambda i: jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), chunked)  # noqa: E731
     shapes = jax.eval_shape(fn, 0, take(0))
