@@ -68,7 +68,7 @@ def test_chunked_rollout_equals_the_whole_batch_rollout(smoke_base):
     # differently at most: ~1e3 accumulated roundings of EPS per step relative to the state's scale (the bound of
     # test_rollout's sharded test, 8 x 2800 EPS). A row taken from another chunk or prompt moves a state by O(1).
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-        np.testing.assert_allclose(x, y, rtol=0, atol=8 * 2800 * EPS * max(np.abs(np.asarray(y)).max(), 1.0))
+        np.testing.assert_allclose(x, y, rtol=0, atol=8 * 2800 * EPS * max(np.abs(np.asarray(y)).max(), 1.0))  # blocking, above
 
     config, world, sde = _steps(smoke_base, **{"train.rollout_chunk": 8})
     _, (ids, mask) = _batch(config, world, sde)
@@ -79,7 +79,7 @@ def test_chunked_rollout_equals_the_whole_batch_rollout(smoke_base):
     b_, t_, h, w, c = density.shape
     per_token = density.reshape(b_, t_, h // p, p, w // p, p, c).sum((3, 5, 6)).reshape(b_, t_, -1) / (p * p * c)
     # per-token mean log-density: float32 Gaussian terms of size ~|log std| ~ 10, summed over p^2 C = 48 elements
-    np.testing.assert_allclose(ro.logp, per_token, rtol=0, atol=48 * 10 * EPS * 10)
+    np.testing.assert_allclose(ro.logp, per_token, rtol=0, atol=48 * 10 * EPS * 10)  # 48 terms of ~10, x10 margin
     expected = world.encode(sde.frozen, ids, mask)
     np.testing.assert_allclose(cond[0], expected[0], rtol=0, atol=1e-5)  # the same encoder on the same rows (batch 8 vs 16)
     assert not np.allclose(np.asarray(ro.final[:8]), np.asarray(ro.final[8:16]))
@@ -116,6 +116,6 @@ def test_microbatched_update_has_the_whole_minibatch_gradient(smoke_base):
     # Float32 sums over the pairs' ~48 x 16 token terms, reassociated into 4 partial sums and the DiT's matmuls at batch
     # 12 vs 48: |delta| <= K EPS sum|terms| with K ~ 800, i.e. ~1e-4 of sum|terms|, itself within ~10x max|g| here;
     # so 1e-3 max|g| (measured 2.3e-6). A microbatch lost, counted twice or given the wrong share moves the gradient by ~1/4 of it.
-    np.testing.assert_allclose(g1, g0, rtol=0, atol=1e-3 * scale)
+    np.testing.assert_allclose(g1, g0, rtol=0, atol=1e-3 * scale)  # K eps sum|terms|, derived above
     for key in ("loss", "policy_loss", "kl", "clipfrac", "approx_kl"):
         np.testing.assert_allclose(s1[key], s0[key], rtol=1e-4, atol=1e-7, err_msg=key)  # the same weighted means, reassociated
