@@ -160,7 +160,7 @@ def hand_estimate(target: str, prompts: int, sizes: dict) -> dict:
     once (one rollout chunk's attention scores and MLP, or one microbatch's remat'd forward + one block's backward)."""
     config, plan = target_config(target, prompts)
     d = plan["devices"]
-    t, dit = config.train, config_lib.PRESETS_SD35M
+    t, dit = config.train, SD35_MEDIUM["dit"]
     batch = prompts * t.group_size
     tokens = (config.world.resolution // 16) ** 2  # 8x VAE, patch 2
     text = config.world.clip_max_length + config.world.t5_max_length

@@ -10,8 +10,6 @@ from ml_collections import ConfigDict
 from flowrl_jax import credit, objectives, worlds
 from flowrl_jax.data import curriculum
 from flowrl_jax.models.presets import PRESETS
-
-PRESETS_SD35M = PRESETS["sd35_medium"]
 from flowrl_jax.parallel import DEFAULT_RULES
 
 
