@@ -78,6 +78,7 @@ def make_rollout_fn(policy: Policy, world, config, row_sharding: jax.sharding.Na
         x_T = rollout_lib.initial_noise(k_noise, world.latent_shape(ids.shape[0]), t.group_size, s.same_noise_per_group)
         if not chunk or chunk >= ids.shape[0]:
             return parallel.constrain_rows(rows_rollout(trainable, frozen, ids, mask, x_T, k_steps), row_sharding, ids.shape[0])
+
         def one_chunk(i, rows):
             ids_c, mask_c, x_c = rows
             ro, cond, null = rows_rollout(trainable, frozen, ids_c, mask_c, x_c, jax.random.fold_in(k_steps, i))
