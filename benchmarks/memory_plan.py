@@ -40,7 +40,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from flowrl_jax import config_lib, credit as credit_lib, objectives, parallel  # noqa: E402
 from flowrl_jax.models.sd3 import SD35_MEDIUM, build_pipeline  # noqa: E402
 from flowrl_jax.policy import Policy  # noqa: E402
-from flowrl_jax.steps import initial_state, make_optimizer, make_rollout_fn, make_update_fn, sampler_levels  # noqa: E402
+from flowrl_jax.steps import (initial_state, make_optimizer, make_rollout_fn, make_update_fn, minibatch_pairs,  # noqa: E402
+                              sampler_levels)
 from flowrl_jax.worlds.sd3 import SD3World  # noqa: E402
 
 HEADROOM = 0.9  # of the device's memory: the runtime, fragmentation and the host transfers need the rest
@@ -116,8 +117,7 @@ def build_job(config, devices, components: dict = SD35_MEDIUM) -> SimpleNamespac
     ro, cond, null = jax.eval_shape(rollout_fn, state_abs.params, frozen_abs, ids, mask, key)
     final = jax.ShapeDtypeStruct((batch,) + ro.next_states.shape[2:], ro.next_states.dtype, sharding=data_sh)
     slots = objective.slots(options, np.asarray(sampler_levels(s)))
-    pairs = -(-batch * len(slots) // t.minibatches)
-    pairs = -(-pairs // t.microbatch) * t.microbatch if t.microbatch else pairs
+    pairs = minibatch_pairs(t, len(slots))
     batch_leaf = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=data_sh if a.ndim and a.shape[0] == batch else rep)  # noqa: E731
     data = {"rollout": jax.tree_util.tree_map(batch_leaf, ro), "cond": jax.tree_util.tree_map(batch_leaf, cond),
             "null": jax.tree_util.tree_map(batch_leaf, null),

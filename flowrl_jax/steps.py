@@ -244,6 +244,14 @@ def reward_gradient_fn(reward_model, mesh) -> Callable:
     return lambda x, prompts: grad(x, params, *parallel.shard_batch(tokenize(prompts), mesh))
 
 
+def minibatch_pairs(t_cfg, num_slots: int) -> int:
+    """Pairs per optimizer step: the iteration's samples x slots over `train.minibatches`, rounded up to a whole
+    number of `train.microbatch`es (the padding pairs have weight 0)."""
+    pairs = -(-t_cfg.prompts_per_iteration * t_cfg.group_size * num_slots // t_cfg.minibatches)
+    micro = t_cfg.get("microbatch", 0)
+    return -(-pairs // micro) * micro if micro else pairs
+
+
 def minibatches(keep: np.ndarray, slots: np.ndarray, size: int, rng: np.random.Generator):
     """(rows, slots, weight) chunks of `size` over the kept samples x training slots, the samples in a
     shuffled order and each sample's pairs together (as Flow-GRPO accumulates all of a sample's steps into
@@ -296,10 +304,7 @@ class Steps:
             self.update_old_policy = jax.jit(functools.partial(update_old_policy, decay=lambda step: objective.old_policy(step, options)),
                                              out_shardings=self.shardings, donate_argnums=0)
         self.slots = objective.slots(options, np.asarray(sampler_levels(config.sampler)))
-        batch = t_cfg.prompts_per_iteration * t_cfg.group_size
-        self.minibatch_size = -(-batch * len(self.slots) // t_cfg.minibatches)
-        if t_cfg.get("microbatch", 0):  # a whole number of microbatches (the padding pairs have weight 0)
-            self.minibatch_size = -(-self.minibatch_size // t_cfg.microbatch) * t_cfg.microbatch
+        self.minibatch_size = minibatch_pairs(t_cfg, len(self.slots))
         self._reward_gradient = None
 
     def objective_extras(self, prompts_local: list[dict]) -> dict:
