@@ -1,15 +1,18 @@
 """Throughput of one Flow-GRPO iteration's parts for a train config (default: Flow-GRPO at the CPU budget).
 
-    python benchmarks/rl_step.py [--config configs/flow_grpo_cpu.py] [--repeats 3]
+    python benchmarks/rl_step.py [--config configs/flow_grpo_cpu.py] [--repeats 3] [--set key=value ...]
+    python benchmarks/rl_step.py --set objective.grpo.detach_uncond=False   # both CFG branches trained
 
 Times (medians of `--repeats` after one warm-up call, `block_until_ready`) the jit-compiled rollout
 (B = prompts x group images, T steps, CFG, the SDE window) and one update (a minibatch of (sample, step)
 pairs: the policy's kernel mean with CFG, forward + backward, plus the reference forward when beta > 0),
-and the host reward. Prints a table; writes benchmarks/results/rl_step.json.
+and the host reward. `--set` overrides config fields (values parsed as Python literals). Prints a table; writes
+benchmarks/results/rl_step.json (`--out`).
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import platform
@@ -33,13 +36,26 @@ def _median(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _parse_override(item: str) -> tuple:
+    key, sep, value = item.partition("=")
+    if not sep:
+        raise SystemExit(f"--set {item!r}: expected KEY=VALUE, e.g. objective.grpo.detach_uncond=False")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value  # a plain string
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/flow_grpo_cpu.py")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "rl_step.json"))
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. train.group_size=24")
     args = parser.parse_args()
     config = runpy.run_path(args.config)["get_config"]("")
+    overrides = dict(_parse_override(item) for item in args.set)
+    config.update_from_flattened_dict(overrides)
     t_cfg, s_cfg = config.train, config.sampler
     mesh = parallel.make_mesh(config.mesh)
     world = worlds.build(config)
@@ -75,7 +91,7 @@ def main() -> None:
     update_s = _median(update, args.repeats)
     pairs = steps.minibatch_size
     per_iteration = rollout_s + reward_s + t_cfg.num_inner_epochs * t_cfg.minibatches * update_s
-    row = dict(config=args.config, batch=batch, num_steps=s_cfg.num_steps, trained_steps=len(steps.slots), cfg=s_cfg.cfg,
+    row = dict(config=args.config, overrides={k: repr(v) for k, v in overrides.items()}, batch=batch, num_steps=s_cfg.num_steps, trained_steps=len(steps.slots), cfg=s_cfg.cfg,
                beta=config.objective.grpo.beta, rollout_s=rollout_s, rollout_images_per_s=batch / rollout_s,
                rollout_dit_calls_per_s=batch * s_cfg.num_steps * (2 if s_cfg.cfg != 1 else 1) / rollout_s,
                reward_s=reward_s, update_pairs=pairs, update_s=update_s, update_pairs_per_s=pairs / update_s,

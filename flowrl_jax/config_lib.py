@@ -65,7 +65,7 @@ def train_config() -> ConfigDict:
     cfg.sampler = dict(kind="sde", num_steps=10, shift=1.0, noise_level=0.7, sde_window=(), cfg=3.0,
                        same_noise_per_group=False, logprob_form="gaussian")  # sde_window () = every step
     cfg.train = dict(iterations=200, prompts_per_iteration=8, group_size=12, num_inner_epochs=1, minibatches=4,
-                     lr=3e-4, weight_decay=1e-4, grad_clip=1.0, ema_decay=0.9, ema_every=1, lora_rank=0, lora_init="kaiming",
+                     lr=3e-4, lr_schedule="constant", weight_decay=1e-4, grad_clip=1.0, ema_decay=0.9, ema_every=1, lora_rank=0, lora_init="kaiming",
                      rewards=(("shapes_score", 1.0),), time_budget_s=0.0,  # stop after this much training wall time, not counting the first (compiling) iteration; 0 = none
                      rollout_chunk=0, microbatch=0)  # memory knobs (0 = off): rows sampled at a time, pairs per forward/backward (steps.py)
     cfg.advantage = dict(global_std=True, clip=5.0,

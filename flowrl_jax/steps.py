@@ -48,9 +48,24 @@ def sampler_levels(sampler_cfg) -> jax.Array:
     return levels * 0.0 if sampler_cfg.kind == "ode" else levels
 
 
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def learning_rate(t_cfg) -> float | optax.Schedule:
+    """`train.lr`, constant, or with `train.lr_schedule="cosine"` decayed along a cosine to a tenth of it over the
+    run's optimizer steps (`iterations x num_inner_epochs x minibatches`; an upper bound where a credit scheme drops
+    samples or `time_budget_s` stops the run early, which then ends above the tenth)."""
+    if t_cfg.lr_schedule == "constant":
+        return t_cfg.lr
+    if t_cfg.lr_schedule == "cosine":
+        total = max(1, t_cfg.iterations * t_cfg.num_inner_epochs * t_cfg.minibatches)
+        return optax.cosine_decay_schedule(t_cfg.lr, total, alpha=0.1)
+    raise ValueError(f"train.lr_schedule={t_cfg.lr_schedule!r}: choose one of {', '.join(LR_SCHEDULES)}")
+
+
 def make_optimizer(t_cfg) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(t_cfg.grad_clip),
-                       optax.adamw(t_cfg.lr, b1=0.9, b2=0.999, weight_decay=t_cfg.weight_decay))
+                       optax.adamw(learning_rate(t_cfg), b1=0.9, b2=0.999, weight_decay=t_cfg.weight_decay))
 
 
 def make_rollout_fn(policy: Policy, world, config, row_sharding: jax.sharding.NamedSharding | None = None) -> Callable:

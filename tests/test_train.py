@@ -148,7 +148,8 @@ def test_bad_inputs_are_one_line_errors_and_nothing_saved_changes(base, tmp_path
              ({"credit.names": ("nope",)}, "unknown credit scheme"),
              ({"world.base": str(tmp_path / "no_base")}, "cannot load the base model"),
              ({"world.base": str(corrupt)}, "cannot load the base model"),
-             ({"sampler.kind": "ode"}, "cannot be trained on")]
+             ({"sampler.kind": "ode"}, "cannot be trained on"),
+             ({"train.lr_schedule": "linear"}, "lr_schedule='linear' is not a schedule")]
     for fields, message in cases:
         with pytest.raises(ConfigError, match=message) as e:
             _run(base, workdir, **fields)
