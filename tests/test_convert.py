@@ -4,7 +4,6 @@ Tiny random diffusers models are saved with `save_pretrained`, loaded by `conver
 (no torch on that path), and both run the same inputs in float32.
 """
 import json
-import os
 
 import jax
 import jax.numpy as jnp

@@ -1,5 +1,4 @@
 """MMDiT building blocks against closed forms; whole-model parity with diffusers is in test_convert.py."""
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -9,7 +9,6 @@ import sys
 
 import jax
 import numpy as np
-import pytest
 
 from tests.conftest import load_config
 from tests.test_train import TINY, _state

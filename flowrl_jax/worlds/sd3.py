@@ -63,23 +63,22 @@ class SD3World:
                 raise ValueError(f"config.world.{field} is required for the sd3 world: pass --config.world.{field}=...")
         if not os.path.isdir(w.pipeline):
             raise FileNotFoundError(f"config.world.pipeline: folder {w.pipeline} not found (a diffusers SD3 pipeline folder)")
-        self.config, self.world_cfg, self.eval_cfg, self.seed = config, w, config.eval, config.seed
-        self.train_prompts = prompt_set(w.train_prompts, "train")
         test = prompt_set(w.test_prompts, "test") if w.test_prompts else []
-        self.test_prompts = [test[i] for i in range(len(test))]
-        self.rewards = config.train.rewards
-        self.pipe, self._sampler, self._reward_fn, self.reader = None, None, None, None
+        self._set_fields(config, prompt_set(w.train_prompts, "train"), [test[i] for i in range(len(test))], pipe=None)
 
     @classmethod
     def around(cls, config, pipe, row_sharding) -> "SD3World":
         """A world around an already built pipeline, with no prompt sets or folders: what compiling the train job's
         functions from abstract shapes needs (`benchmarks/memory_plan.py`); `row_sharding`: the batch's."""
         world = cls.__new__(cls)
-        world.config, world.world_cfg, world.eval_cfg, world.seed = config, config.world, config.eval, config.seed
-        world.train_prompts, world.test_prompts, world.rewards = [], [], config.train.rewards
-        world.pipe, world._sampler, world._reward_fn, world.reader = pipe, None, None, None
+        world._set_fields(config, [], [], pipe)
         world._rows = row_sharding
         return world
+
+    def _set_fields(self, config, train_prompts, test_prompts: list, pipe) -> None:
+        self.config, self.world_cfg, self.eval_cfg, self.seed = config, config.world, config.eval, config.seed
+        self.train_prompts, self.test_prompts, self.rewards = train_prompts, test_prompts, config.train.rewards
+        self.pipe, self._sampler, self._reward_fn, self.reader = pipe, None, None, None
 
     # ------------------------------------------------------------------------------------------ model
     def load(self):
