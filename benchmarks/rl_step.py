@@ -91,7 +91,8 @@ def main() -> None:
     update_s = _median(update, args.repeats)
     pairs = steps.minibatch_size
     per_iteration = rollout_s + reward_s + t_cfg.num_inner_epochs * t_cfg.minibatches * update_s
-    row = dict(config=args.config, overrides={k: repr(v) for k, v in overrides.items()}, batch=batch, num_steps=s_cfg.num_steps, trained_steps=len(steps.slots), cfg=s_cfg.cfg,
+    row = dict(config=args.config, overrides={k: repr(v) for k, v in overrides.items()}, batch=batch, num_steps=s_cfg.num_steps,
+               trained_steps=len(steps.slots), cfg=s_cfg.cfg,
                beta=config.objective.grpo.beta, rollout_s=rollout_s, rollout_images_per_s=batch / rollout_s,
                rollout_dit_calls_per_s=batch * s_cfg.num_steps * (2 if s_cfg.cfg != 1 else 1) / rollout_s,
                reward_s=reward_s, update_pairs=pairs, update_s=update_s, update_pairs_per_s=pairs / update_s,
