@@ -101,6 +101,9 @@ def run_one(name: str, seed: int, args) -> dict:
     shutil.rmtree(workdir, ignore_errors=True)  # a fresh run, not a resume of an earlier one
     config = entry_config(name, seed, args)
     out = train.run(config, workdir)
+    if out["wall_s"] - out["first_iteration_s"] < args.budget_s:  # stopped early (SIGTERM/SIGINT saves and returns)
+        raise SystemExit(f"{name} seed {seed} stopped after {out['step']} iterations, before its {args.budget_s:.0f} s budget: "
+                         "not recorded; run the same command again")
     return {"name": name, "seed": seed, "overrides": {k: list(v) if isinstance(v, tuple) else v for k, v in ENTRIES[name][1].items()},
             "config_file": ENTRIES[name][0], "budget_s": args.budget_s, "settings": eval_settings(args),
             "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M"), "step": out["step"],
