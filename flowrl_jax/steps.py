@@ -60,7 +60,7 @@ def learning_rate(t_cfg) -> float | optax.Schedule:
     if t_cfg.lr_schedule == "cosine":
         total = max(1, t_cfg.iterations * t_cfg.num_inner_epochs * t_cfg.minibatches)
         return optax.cosine_decay_schedule(t_cfg.lr, total, alpha=0.1)
-    raise ValueError(f"train.lr_schedule={t_cfg.lr_schedule!r}: choose one of {', '.join(LR_SCHEDULES)}")
+    raise ValueError(f"train.lr_schedule={t_cfg.lr_schedule!r} is not a schedule: choose one of {', '.join(LR_SCHEDULES)}")
 
 
 def make_optimizer(t_cfg) -> optax.GradientTransformation:

@@ -38,7 +38,7 @@ from flowrl_jax.checkpoint import CheckpointError, Checkpointer
 from flowrl_jax.config_lib import ConfigError
 from flowrl_jax.data import curriculum
 from flowrl_jax.models import lora
-from flowrl_jax.steps import LR_SCHEDULES, Steps, TrainState, minibatches, sampler_levels
+from flowrl_jax.steps import Steps, TrainState, learning_rate, minibatches, sampler_levels
 
 
 def itstime(step: int, every: int, total: int, last: bool = False) -> bool:
@@ -130,11 +130,10 @@ def setup(config, workdir: str, world) -> tuple[Job, TrainState]:
     if 0 < t_cfg.rollout_chunk < batch and (batch % t_cfg.rollout_chunk or t_cfg.rollout_chunk % shards):
         raise ConfigError(f"train.rollout_chunk={t_cfg.rollout_chunk} must divide the {batch} rows of an iteration and be a "
                           f"multiple of the {shards} batch shards of the mesh")
-    if t_cfg.lr_schedule not in LR_SCHEDULES:
-        raise ConfigError(f"train.lr_schedule={t_cfg.lr_schedule!r} is not a schedule: choose one of {', '.join(LR_SCHEDULES)}")
     if t_cfg.microbatch and t_cfg.microbatch % shards:
         raise ConfigError(f"train.microbatch={t_cfg.microbatch} must be a multiple of the {shards} batch shards of the mesh")
     try:
+        learning_rate(t_cfg)  # a misspelled train.lr_schedule fails here, before the base model loads
         dit, base = world.load()
         credit = credit_lib.build(config.credit.names, config.credit, config.advantage.global_std, config.advantage.clip)
         reward_fn = world.reward_fn(t_cfg.rewards)
