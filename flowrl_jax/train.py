@@ -336,8 +336,8 @@ def run(config, workdir: str | None) -> dict:
         with StopSignal() as stop:
             for it in bar:
                 state, scalars = iteration(job, state, it)
-                bar.set_postfix(reward=f"{scalars['reward']:.3f}", clipfrac=f"{scalars.get('clipfrac', 0):.3f}",
-                                kl=f"{scalars.get('kl', 0):.2e}")
+                shown = {k: f"{scalars[k]:.3g}" for k in ("learned_reward", "clipfrac", "kl") if k in scalars}  # the objective's own
+                bar.set_postfix(reward=f"{scalars['reward']:.3f}", **shown)
                 stopped = after_iteration(job, state, it + 1, stop)
                 if stopped:
                     break

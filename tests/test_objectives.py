@@ -166,17 +166,34 @@ def test_leap_connectors_give_the_real_trajectory_and_the_loss_value_is_the_real
     velocity = lambda x, s: _mlp(params, x, s)  # noqa: E731
     i_k, i_j = jnp.array([0, 1, 2, 0]), jnp.array([3, 2, 5, 1])
     rows = jnp.arange(4)
-    x0_tilde, x_j_hat = leap.two_leaps(velocity, states[rows, i_k], states[rows, i_j], x0, sigmas[i_k], sigmas[i_j], 0.5)
+    x0_tilde, x_j_hat, _ = leap.two_leaps(velocity, states[rows, i_k], states[rows, i_j], x0, sigmas[i_k], sigmas[i_j], 0.5)
     np.testing.assert_allclose(x0_tilde, x0, rtol=0, atol=1e-6)
     assert float(jnp.abs(x_j_hat - states[rows, i_j]).max()) > 1e-3  # the leap itself is off the path; the connector fixes it
     mb = {"x_k": states[rows, i_k], "x_j": states[rows, i_j], "x0": x0, "sigma_k": sigmas[i_k], "sigma_j": sigmas[i_j],
           "weight": jnp.ones(4)}
     fns = PolicyFns(None, lambda p, x, s, mb: _mlp(p, x, s), _reward)
-    value, aux = leap.loss(params, None, mb, fns, {"gamma": 0.5, "tau": 0.01})
+    value, aux = leap.loss(params, None, mb, fns, {**leap.DEFAULTS, "gamma": 0.5, "tau": 0.01})
     e = np.mean((np.asarray(x_j_hat, np.float64) - np.asarray(states[rows, i_j], np.float64)) ** 2, axis=(1, 2, 3))
     w = np.exp(-(e - e.min()) / 0.01) / np.exp(-(e - e.min()) / 0.01).sum()  # softmax by hand, float64
     np.testing.assert_allclose(float(value), float(-np.sum(w * np.asarray(_reward(x0), np.float64))), rtol=1e-5)
 
+
+def test_leap_anchor_adds_beta_times_the_velocity_gap_to_the_reference_at_x_k():
+    """`beta_kl` adds `beta * mean_b mean_e (v_theta(x_k) - v_ref(x_k))^2`, checked in float64 by hand."""
+    params, ref = (_mlp_params(jax.random.PRNGKey(i), 2 * 2 * 3) for i in (0, 7))
+    sigmas = schedule.sigmas(6, 3.0)
+    states, x0 = _ode_trajectory(params, jax.random.normal(jax.random.PRNGKey(1), (4, 2, 2, 3)), sigmas)
+    i_k, i_j, rows = jnp.array([0, 1, 2, 0]), jnp.array([3, 2, 5, 1]), jnp.arange(4)
+    mb = {"x_k": states[rows, i_k], "x_j": states[rows, i_j], "x0": x0, "sigma_k": sigmas[i_k], "sigma_j": sigmas[i_j],
+          "weight": jnp.array([1.0, 1.0, 1.0, 0.0])}
+    fns = PolicyFns(None, lambda p, x, s, mb: _mlp(p, x, s), _reward)
+    plain, _ = leap.loss(params, ref, mb, fns, dict(leap.DEFAULTS))
+    anchored, aux = leap.loss(params, ref, mb, fns, {**leap.DEFAULTS, "beta_kl": 0.7})
+    gap = np.asarray(_mlp(params, mb["x_k"], mb["sigma_k"]), np.float64) - np.asarray(_mlp(ref, mb["x_k"], mb["sigma_k"]), np.float64)
+    kl = np.mean(np.mean(gap ** 2, axis=(1, 2, 3))[:3])  # the padding row (weight 0) is left out
+    assert kl > 1e-3  # the two networks differ, so the check has something to see
+    np.testing.assert_allclose(float(aux["kl"]), kl, rtol=1e-5)  # float32 sums of 12 elements x 3 rows: ~1e-6 relative
+    np.testing.assert_allclose(float(anchored) - float(plain), 0.7 * kl, rtol=1e-4)  # a difference of two float32 losses
 
 def test_leap_gradient_equals_a_finite_difference_of_the_surrogate():
     """SPEC §6 testing note: d L / d theta = -d S / d theta at theta_0, with
@@ -190,7 +207,7 @@ def test_leap_gradient_equals_a_finite_difference_of_the_surrogate():
         x_k, x_j, s_k, s_j = states[:, ik], states[:, ij], sigmas[ik:ik + 1], sigmas[ij:ij + 1]
         mb = {"x_k": x_k, "x_j": x_j, "x0": x0, "sigma_k": s_k, "sigma_j": s_j, "weight": jnp.ones(1)}
         fns = PolicyFns(None, lambda p, x, s, mb: _mlp(p, x, s), _reward)
-        grad = jax.grad(lambda p: leap.loss(p, None, mb, fns, {"gamma": gamma, "tau": 0.01})[0])(params)
+        grad = jax.grad(lambda p: leap.loss(p, None, mb, fns, {**leap.DEFAULTS, "gamma": gamma, "tau": 0.01})[0])(params)
 
         g_r = jax.grad(lambda x: _reward(x).sum())(x0)
         x_j_hat = lambda p: x_k - (s_k - s_j)[:, None, None, None] * _mlp(p, x_k, s_k)  # noqa: E731
@@ -250,7 +267,7 @@ def test_leap_update_memory_does_not_grow_with_the_number_of_steps_and_full_back
         def leap_grad(p, states, x0, i_k, i_j):
             mb = {"x_k": states[jnp.arange(4), i_k], "x_j": states[jnp.arange(4), i_j], "x0": x0, "sigma_k": sigmas[i_k],
                   "sigma_j": sigmas[i_j], "weight": jnp.ones(4)}
-            return jax.grad(lambda q: leap.loss(q, None, mb, fns, {"gamma": 0.5, "tau": 0.01})[0])(p)
+            return jax.grad(lambda q: leap.loss(q, None, mb, fns, {**leap.DEFAULTS, "gamma": 0.5, "tau": 0.01})[0])(p)
 
         def full_grad(p, x):  # backprop through every Euler step of the trajectory
             def final(q):

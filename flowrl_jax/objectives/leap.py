@@ -15,7 +15,9 @@ as its value and the two leaps' Jacobians as its gradient; `R` is the shipped le
 that land closer to the real path count more (our reading: the per-element mean, so that `tau` does
 not scale with the image size; `w` is a weight, held constant). Two velocity calls with gradient per
 sample whatever `T` is, so the update's memory does not grow with the number of sampler steps.
-Options (`DEFAULTS`, `config.objective.leapalign`): train_cfg (the velocity's CFG, 0 = the sampler's), gamma, tau.
+Options (`DEFAULTS`, `config.objective.leapalign`): train_cfg (the velocity's CFG, 0 = the sampler's), gamma, tau,
+beta_kl: an anchor to the base model (ours, not the paper's; 0 = off), `beta_kl * mean_e(v_theta(x_k) - v_ref(x_k))^2`
+on the first leap's velocity (one more forward, without gradient), as NFT's `beta_kl`.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import numpy as np
 from flowrl_jax.objectives.forward import weighted_mean
 from flowrl_jax.sampling import kernels
 
-DEFAULTS = {"train_cfg": 0.0, "gamma": 0.5, "tau": 0.01}
+DEFAULTS = {"train_cfg": 0.0, "gamma": 0.5, "tau": 0.01, "beta_kl": 0.0}
 
 
 def check(options, sampler) -> None:
@@ -61,13 +63,14 @@ def leap_pairs(ro, cond, null_cond, rows, weight, key, extras) -> dict:
 
 
 def two_leaps(velocity, x_k, x_j, x0, sigma_k, sigma_j, gamma: float):
-    """-> (x~_0, x^_j) [M, H, W, C] (module doc); `velocity(x, sigma [M]) -> v`."""
+    """-> (x~_0, x^_j, v(x_k)) [M, H, W, C] (module doc); `velocity(x, sigma [M]) -> v`."""
     sg = jax.lax.stop_gradient
-    x_j_hat = x_k - kernels.column(sigma_k - sigma_j, x_k) * velocity(x_k, sigma_k)
+    v_k = velocity(x_k, sigma_k)
+    x_j_hat = x_k - kernels.column(sigma_k - sigma_j, x_k) * v_k
     x_j_tilde = x_j_hat + sg(x_j - x_j_hat)
     u = gamma * x_j_tilde + (1.0 - gamma) * sg(x_j_tilde)  # the model's input only
     x0_hat = x_j_tilde - kernels.column(sigma_j, u) * velocity(u, sigma_j)
-    return x0_hat + sg(x0 - x0_hat), x_j_hat
+    return x0_hat + sg(x0 - x0_hat), x_j_hat, v_k
 
 
 def leap_weights(x_j_hat, x_j, weight, tau: float):
@@ -78,12 +81,16 @@ def leap_weights(x_j_hat, x_j, weight, tau: float):
 
 
 def loss(variables, ref_variables, mb: dict, fns, options):
-    gamma, tau = float(options["gamma"]), float(options["tau"])
+    gamma, tau, beta_kl = float(options["gamma"]), float(options["tau"]), float(options["beta_kl"])
     chex.assert_equal_shape([mb["x_k"], mb["x_j"], mb["x0"]])
     chex.assert_equal_shape([mb["sigma_k"], mb["sigma_j"], mb["weight"]])
     velocity = lambda x, sigma: fns.velocity(variables, x, sigma, mb)  # noqa: E731
-    x0_tilde, x_j_hat = two_leaps(velocity, mb["x_k"], mb["x_j"], mb["x0"], mb["sigma_k"], mb["sigma_j"], gamma)
+    x0_tilde, x_j_hat, v_k = two_leaps(velocity, mb["x_k"], mb["x_j"], mb["x0"], mb["sigma_k"], mb["sigma_j"], gamma)
     w, err = leap_weights(x_j_hat, mb["x_j"], mb["weight"], tau)
     reward = fns.reward(x0_tilde, mb)
-    return -jnp.sum(w * reward), {"learned_reward": weighted_mean(reward, mb["weight"]),
-                                  "leap_error": weighted_mean(err, mb["weight"]), "leap_weight_max": jnp.max(w)}
+    kl = jnp.zeros(())
+    if beta_kl > 0:
+        v_ref = jax.lax.stop_gradient(fns.velocity(ref_variables, mb["x_k"], mb["sigma_k"], mb))
+        kl = weighted_mean(jnp.mean(jnp.square(v_k - v_ref), axis=tuple(range(1, v_k.ndim))), mb["weight"])
+    return -jnp.sum(w * reward) + beta_kl * kl, {"learned_reward": weighted_mean(reward, mb["weight"]), "kl": kl,
+                                                 "leap_error": weighted_mean(err, mb["weight"]), "leap_weight_max": jnp.max(w)}
