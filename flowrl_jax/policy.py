@@ -64,11 +64,11 @@ class PolicyFns(NamedTuple):
 def policy_fns(policy: Policy, sampler_cfg, reward_apply: Callable | None = None, velocity_cfg: float | None = None,
                detach_uncond: bool = False) -> PolicyFns:
     """`velocity_cfg`: the CFG scale of `velocity` (None: the sampler's; 1: the conditional velocity alone);
-    `detach_uncond`: `mean` takes no gradient through CFG's unconditional branch."""
+    `detach_uncond`: `mean` and `velocity` take no gradient through CFG's unconditional branch."""
     cfg = sampler_cfg.cfg if velocity_cfg is None else velocity_cfg
 
     def velocity(variables, x, sigma, mb):
-        return rollout_lib.guided(policy.velocity_fn(variables), mb["cond"], mb["null"], cfg)(x, sigma)
+        return rollout_lib.guided(policy.velocity_fn(variables), mb["cond"], mb["null"], cfg, detach_uncond)(x, sigma)
 
     def reward(images, mb):
         return reward_apply(mb["reward_params"], images, mb["reward_ids"], mb["reward_mask"])

@@ -195,6 +195,26 @@ def test_leap_anchor_adds_beta_times_the_velocity_gap_to_the_reference_at_x_k():
     np.testing.assert_allclose(float(aux["kl"]), kl, rtol=1e-5)  # float32 sums of 12 elements x 3 rows: ~1e-6 relative
     np.testing.assert_allclose(float(anchored) - float(plain), 0.7 * kl, rtol=1e-4)  # a difference of two float32 losses
 
+
+def test_leap_reward_power_climbs_r_to_the_p():
+    """`reward_power=p`: the loss is `-sum_b w_b R_b^p` (float64 by hand, with the softmax weights of the first test)."""
+    params = _mlp_params(jax.random.PRNGKey(0), 2 * 2 * 3)
+    sigmas = schedule.sigmas(6, 3.0)
+    states, x0 = _ode_trajectory(params, jax.random.normal(jax.random.PRNGKey(1), (4, 2, 2, 3)), sigmas)
+    i_k, i_j, rows = jnp.array([0, 1, 2, 0]), jnp.array([3, 2, 5, 1]), jnp.arange(4)
+    mb = {"x_k": states[rows, i_k], "x_j": states[rows, i_j], "x0": x0, "sigma_k": sigmas[i_k], "sigma_j": sigmas[i_j],
+          "weight": jnp.ones(4)}
+    reward = lambda x, mb=None: jax.nn.sigmoid(4.0 * jnp.mean(x, axis=(1, 2, 3)))  # noqa: E731  in (0, 1), as the learned one
+    fns = PolicyFns(None, lambda p, x, s, mb: _mlp(p, x, s), reward)
+    value, _ = leap.loss(params, None, mb, fns, {**leap.DEFAULTS, "reward_power": 3.0})
+    _, x_j_hat, _ = leap.two_leaps(lambda x, s: _mlp(params, x, s), mb["x_k"], mb["x_j"], x0, mb["sigma_k"], mb["sigma_j"], 0.5)
+    e = np.mean((np.asarray(x_j_hat, np.float64) - np.asarray(mb["x_j"], np.float64)) ** 2, axis=(1, 2, 3))
+    w = np.exp(-(e - e.min()) / 0.01) / np.exp(-(e - e.min()) / 0.01).sum()
+    r = np.asarray(reward(x0), np.float64)
+    assert np.ptp(r) > 0.05  # the rewards differ, so p matters
+    np.testing.assert_allclose(float(value), -np.sum(w * r ** 3), rtol=1e-5)  # float32 softmax and cube of O(1) numbers
+
+
 def test_leap_gradient_equals_a_finite_difference_of_the_surrogate():
     """SPEC §6 testing note: d L / d theta = -d S / d theta at theta_0, with
     S(theta) = sg(grad R(x_0)) . [x~(theta) - sigma_j v_theta(u(theta))], x~(theta) = x_j + (x^_j(theta) - x^_j(theta_0)),
