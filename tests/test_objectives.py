@@ -215,6 +215,15 @@ def test_leap_reward_power_climbs_r_to_the_p():
     np.testing.assert_allclose(float(value), -np.sum(w * r ** 3), rtol=1e-5)  # float32 softmax and cube of O(1) numbers
 
 
+def test_leap_options_out_of_range_are_named():
+    sampler = type("Sampler", (), {"kind": "ode"})()
+    with pytest.raises(ValueError, match="reward_power > 0 and beta_kl >= 0.*reward_power=0"):
+        leap.check({**leap.DEFAULTS, "reward_power": 0.0}, sampler)
+    with pytest.raises(ValueError, match="beta_kl=-1"):
+        leap.check({**leap.DEFAULTS, "beta_kl": -1.0}, sampler)
+    leap.check(dict(leap.DEFAULTS), sampler)  # the defaults pass
+
+
 def test_leap_gradient_equals_a_finite_difference_of_the_surrogate():
     """SPEC §6 testing note: d L / d theta = -d S / d theta at theta_0, with
     S(theta) = sg(grad R(x_0)) . [x~(theta) - sigma_j v_theta(u(theta))], x~(theta) = x_j + (x^_j(theta) - x^_j(theta_0)),

@@ -41,12 +41,14 @@ def test_turning_points_compose_with_spatial_credit_and_draw_credit_maps(base, t
 @pytest.mark.parametrize("name", ["advantage_flow", "nft", "leapalign"])
 def test_forward_process_and_leap_objectives_train_through_the_shared_loop(base, tmp_path, monkeypatch, name):
     _brightness_reward(monkeypatch)
-    slots = {} if name == "leapalign" else {f"objective.{name}.timesteps": 2}
+    slots = {"objective.leapalign.beta_kl": 1.0} if name == "leapalign" else {f"objective.{name}.timesteps": 2}  # the quickstart's anchor
     out = _run(base, tmp_path, **{"train.iterations": 2, "objective.name": name, "sampler.kind": "ode", **slots})
     assert out["step"] == 2
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"reward"' in line]
     assert rows[-1]["updates"] == TINY["train.minibatches"] and rows[-1]["kept_fraction"] == 1.0
     assert {"advantage_flow": "flow_matching", "nft": "optimality_mean", "leapalign": "learned_reward"}[name] in rows[-1]
+    if name == "leapalign":  # the anchor to the frozen base: 0 at the first update, > 0 once the policy has moved
+        assert rows[-1]["kl"] > 0
     state, first = _state(str(tmp_path)), _state(str(tmp_path), 1)
     moved = [np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in zip(jax.tree_util.tree_leaves(state["params"]),
                                                                        jax.tree_util.tree_leaves(first["params"]))]
