@@ -159,21 +159,26 @@ def _reward(x, mb=None):
     return -jnp.mean(jnp.square(x - 0.3), axis=(1, 2, 3))
 
 
-def test_leap_connectors_give_the_real_trajectory_and_the_loss_value_is_the_real_reward():
-    params = _mlp_params(jax.random.PRNGKey(0), 2 * 2 * 3)
+def _leap_batch(params, weight):
+    """Four pairs (k < j) of one 6-step Euler trajectory of `_mlp(params)`, with their weights [4]."""
     sigmas = schedule.sigmas(6, 3.0)
     states, x0 = _ode_trajectory(params, jax.random.normal(jax.random.PRNGKey(1), (4, 2, 2, 3)), sigmas)
+    i_k, i_j, rows = jnp.array([0, 1, 2, 0]), jnp.array([3, 2, 5, 1]), jnp.arange(4)
+    return {"x_k": states[rows, i_k], "x_j": states[rows, i_j], "x0": x0, "sigma_k": sigmas[i_k], "sigma_j": sigmas[i_j],
+            "weight": weight}
+
+
+def test_leap_connectors_give_the_real_trajectory_and_the_loss_value_is_the_real_reward():
+    params = _mlp_params(jax.random.PRNGKey(0), 2 * 2 * 3)
+    mb = _leap_batch(params, jnp.ones(4))
+    x0 = mb["x0"]
     velocity = lambda x, s: _mlp(params, x, s)  # noqa: E731
-    i_k, i_j = jnp.array([0, 1, 2, 0]), jnp.array([3, 2, 5, 1])
-    rows = jnp.arange(4)
-    x0_tilde, x_j_hat, _ = leap.two_leaps(velocity, states[rows, i_k], states[rows, i_j], x0, sigmas[i_k], sigmas[i_j], 0.5)
+    x0_tilde, x_j_hat, _ = leap.two_leaps(velocity, mb["x_k"], mb["x_j"], x0, mb["sigma_k"], mb["sigma_j"], 0.5)
     np.testing.assert_allclose(x0_tilde, x0, rtol=0, atol=1e-6)
-    assert float(jnp.abs(x_j_hat - states[rows, i_j]).max()) > 1e-3  # the leap itself is off the path; the connector fixes it
-    mb = {"x_k": states[rows, i_k], "x_j": states[rows, i_j], "x0": x0, "sigma_k": sigmas[i_k], "sigma_j": sigmas[i_j],
-          "weight": jnp.ones(4)}
+    assert float(jnp.abs(x_j_hat - mb["x_j"]).max()) > 1e-3  # the leap itself is off the path; the connector fixes it
     fns = PolicyFns(None, lambda p, x, s, mb: _mlp(p, x, s), _reward)
     value, aux = leap.loss(params, None, mb, fns, {**leap.DEFAULTS, "gamma": 0.5, "tau": 0.01})
-    e = np.mean((np.asarray(x_j_hat, np.float64) - np.asarray(states[rows, i_j], np.float64)) ** 2, axis=(1, 2, 3))
+    e = np.mean((np.asarray(x_j_hat, np.float64) - np.asarray(mb["x_j"], np.float64)) ** 2, axis=(1, 2, 3))
     w = np.exp(-(e - e.min()) / 0.01) / np.exp(-(e - e.min()) / 0.01).sum()  # softmax by hand, float64
     np.testing.assert_allclose(float(value), float(-np.sum(w * np.asarray(_reward(x0), np.float64))), rtol=1e-5)
 
@@ -181,11 +186,7 @@ def test_leap_connectors_give_the_real_trajectory_and_the_loss_value_is_the_real
 def test_leap_anchor_adds_beta_times_the_velocity_gap_to_the_reference_at_x_k():
     """`beta_kl` adds `beta * mean_b mean_e (v_theta(x_k) - v_ref(x_k))^2`, checked in float64 by hand."""
     params, ref = (_mlp_params(jax.random.PRNGKey(i), 2 * 2 * 3) for i in (0, 7))
-    sigmas = schedule.sigmas(6, 3.0)
-    states, x0 = _ode_trajectory(params, jax.random.normal(jax.random.PRNGKey(1), (4, 2, 2, 3)), sigmas)
-    i_k, i_j, rows = jnp.array([0, 1, 2, 0]), jnp.array([3, 2, 5, 1]), jnp.arange(4)
-    mb = {"x_k": states[rows, i_k], "x_j": states[rows, i_j], "x0": x0, "sigma_k": sigmas[i_k], "sigma_j": sigmas[i_j],
-          "weight": jnp.array([1.0, 1.0, 1.0, 0.0])}
+    mb = _leap_batch(params, jnp.array([1.0, 1.0, 1.0, 0.0]))
     fns = PolicyFns(None, lambda p, x, s, mb: _mlp(p, x, s), _reward)
     plain, _ = leap.loss(params, ref, mb, fns, dict(leap.DEFAULTS))
     anchored, aux = leap.loss(params, ref, mb, fns, {**leap.DEFAULTS, "beta_kl": 0.7})
@@ -196,30 +197,9 @@ def test_leap_anchor_adds_beta_times_the_velocity_gap_to_the_reference_at_x_k():
     np.testing.assert_allclose(float(anchored) - float(plain), 0.7 * kl, rtol=1e-4)  # a difference of two float32 losses
 
 
-def test_leap_reward_power_climbs_r_to_the_p():
-    """`reward_power=p`: the loss is `-sum_b w_b R_b^p` (float64 by hand, with the softmax weights of the first test)."""
-    params = _mlp_params(jax.random.PRNGKey(0), 2 * 2 * 3)
-    sigmas = schedule.sigmas(6, 3.0)
-    states, x0 = _ode_trajectory(params, jax.random.normal(jax.random.PRNGKey(1), (4, 2, 2, 3)), sigmas)
-    i_k, i_j, rows = jnp.array([0, 1, 2, 0]), jnp.array([3, 2, 5, 1]), jnp.arange(4)
-    mb = {"x_k": states[rows, i_k], "x_j": states[rows, i_j], "x0": x0, "sigma_k": sigmas[i_k], "sigma_j": sigmas[i_j],
-          "weight": jnp.ones(4)}
-    reward = lambda x, mb=None: jax.nn.sigmoid(4.0 * jnp.mean(x, axis=(1, 2, 3)))  # noqa: E731  in (0, 1), as the learned one
-    fns = PolicyFns(None, lambda p, x, s, mb: _mlp(p, x, s), reward)
-    value, _ = leap.loss(params, None, mb, fns, {**leap.DEFAULTS, "reward_power": 3.0})
-    _, x_j_hat, _ = leap.two_leaps(lambda x, s: _mlp(params, x, s), mb["x_k"], mb["x_j"], x0, mb["sigma_k"], mb["sigma_j"], 0.5)
-    e = np.mean((np.asarray(x_j_hat, np.float64) - np.asarray(mb["x_j"], np.float64)) ** 2, axis=(1, 2, 3))
-    w = np.exp(-(e - e.min()) / 0.01) / np.exp(-(e - e.min()) / 0.01).sum()
-    r = np.asarray(reward(x0), np.float64)
-    assert np.ptp(r) > 0.05  # the rewards differ, so p matters
-    np.testing.assert_allclose(float(value), -np.sum(w * r ** 3), rtol=1e-5)  # float32 softmax and cube of O(1) numbers
-
-
-def test_leap_options_out_of_range_are_named():
+def test_leap_negative_anchor_is_named():
     sampler = type("Sampler", (), {"kind": "ode"})()
-    with pytest.raises(ValueError, match="reward_power > 0 and beta_kl >= 0.*reward_power=0"):
-        leap.check({**leap.DEFAULTS, "reward_power": 0.0}, sampler)
-    with pytest.raises(ValueError, match="beta_kl=-1"):
+    with pytest.raises(ValueError, match=r"objective.leapalign.beta_kl=-1.0: the anchor's weight must be >= 0"):
         leap.check({**leap.DEFAULTS, "beta_kl": -1.0}, sampler)
     leap.check(dict(leap.DEFAULTS), sampler)  # the defaults pass
 

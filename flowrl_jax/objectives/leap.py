@@ -17,10 +17,8 @@ not scale with the image size; `w` is a weight, held constant). Two velocity cal
 sample whatever `T` is, so the update's memory does not grow with the number of sampler steps.
 Options (`DEFAULTS`, `config.objective.leapalign`): train_cfg (the velocity's CFG, 0 = the sampler's), gamma, tau,
 beta_kl: an anchor to the base model (ours, not the paper's; 0 = off), `beta_kl * mean_e(v_theta(x_k) - v_ref(x_k))^2`
-on the first leap's velocity (one more forward, without gradient), as NFT's `beta_kl`; reward_power: the loss climbs
-`R^p` (ours; 1 = the paper's): the learned reward in (0, 1) predicts the evaluator's partial score, and `p > 1` moves the
-gradient's weight `p R^(p-1)` toward samples near a full score, the ones that strict accuracy counts; detach_uncond: no
-gradient through CFG's unconditional branch (as Flow-GRPO's option; the backward covers the conditional batch only).
+on the first leap's velocity (one more forward, without gradient), as NFT's `beta_kl`; detach_uncond: no gradient
+through CFG's unconditional branch (as Flow-GRPO's option; the backward covers the conditional batch only).
 """
 from __future__ import annotations
 
@@ -32,16 +30,15 @@ import numpy as np
 from flowrl_jax.objectives.forward import weighted_mean
 from flowrl_jax.sampling import kernels
 
-DEFAULTS = {"train_cfg": 0.0, "gamma": 0.5, "tau": 0.01, "beta_kl": 0.0, "reward_power": 1.0, "detach_uncond": False}
+DEFAULTS = {"train_cfg": 0.0, "gamma": 0.5, "tau": 0.01, "beta_kl": 0.0, "detach_uncond": False}
 
 
 def check(options, sampler) -> None:
     if sampler.kind != "ode":
         raise ValueError(f"sampler.kind={sampler.kind!r} cannot be trained on by objective 'leapalign' (it leaps along the "
                          "ODE trajectory); choose one of ode")
-    if not float(options["reward_power"]) > 0 or float(options["beta_kl"]) < 0:
-        raise ValueError(f"objective.leapalign needs reward_power > 0 and beta_kl >= 0, got reward_power="
-                         f"{options['reward_power']}, beta_kl={options['beta_kl']}")
+    if float(options["beta_kl"]) < 0:
+        raise ValueError(f"objective.leapalign.beta_kl={options['beta_kl']}: the anchor's weight must be >= 0 (0 = off)")
 
 
 def slots(options, levels) -> np.ndarray:
@@ -94,11 +91,9 @@ def loss(variables, ref_variables, mb: dict, fns, options):
     x0_tilde, x_j_hat, v_k = two_leaps(velocity, mb["x_k"], mb["x_j"], mb["x0"], mb["sigma_k"], mb["sigma_j"], gamma)
     w, err = leap_weights(x_j_hat, mb["x_j"], mb["weight"], tau)
     reward = fns.reward(x0_tilde, mb)
-    power = float(options["reward_power"])
-    climbed = reward if power == 1.0 else reward ** power
     kl = jnp.zeros(())
     if beta_kl > 0:
         v_ref = jax.lax.stop_gradient(fns.velocity(ref_variables, mb["x_k"], mb["sigma_k"], mb))
         kl = weighted_mean(jnp.mean(jnp.square(v_k - v_ref), axis=tuple(range(1, v_k.ndim))), mb["weight"])
-    return -jnp.sum(w * climbed) + beta_kl * kl, {"learned_reward": weighted_mean(reward, mb["weight"]), "kl": kl,
+    return -jnp.sum(w * reward) + beta_kl * kl, {"learned_reward": weighted_mean(reward, mb["weight"]), "kl": kl,
                                                  "leap_error": weighted_mean(err, mb["weight"]), "leap_weight_max": jnp.max(w)}
