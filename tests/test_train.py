@@ -23,12 +23,6 @@ TINY = {"sampler.num_steps": 3, "train.iterations": 4, "train.prompts_per_iterat
         "diagnostics.image_change_every": 0}  # three more rollouts to compile per run: only where a test checks them
 
 
-@pytest.fixture
-def base(smoke_base):
-    """The smoke pretrain workdir (conftest): the base model of these runs."""
-    return smoke_base
-
-
 def _run(base_workdir, workdir, **fields):
     return main.run_job(load_config("configs/flow_grpo.py", **{"world.base": base_workdir, **TINY, **fields}), str(workdir))
 

@@ -8,7 +8,7 @@ import pytest
 
 from flowrl_jax import rewards
 from flowrl_jax.config_lib import ConfigError
-from tests.test_train import TINY, _run, _state, base  # noqa: F401 - `base` is the module-scoped fixture
+from tests.test_train import TINY, _run, _state
 
 
 def _brightness_reward(monkeypatch):
