@@ -48,7 +48,8 @@ def measure(preset: str, batch: int, num_steps: int) -> dict:
         rows = jnp.arange(batch)
         mb = {"x_k": states[rows, i_k], "x_j": states[rows, i_j], "x0": x0, "sigma_k": sigmas[i_k], "sigma_j": sigmas[i_j],
               "weight": jnp.ones(batch)}
-        return jax.grad(lambda q: leap.loss(q, None, mb, PolicyFns(None, velocity, reward), {**leap.DEFAULTS, "gamma": 0.5, "tau": 0.01})[0])(p)
+        fns, options = PolicyFns(None, velocity, reward), {**leap.DEFAULTS, "gamma": 0.5, "tau": 0.01}
+        return jax.grad(lambda q: leap.loss(q, None, mb, fns, options)[0])(p)
 
     def full_grad(p, x_T, remat: bool):
         def loss(q):

@@ -41,9 +41,9 @@ def test_turning_points_compose_with_spatial_credit_and_draw_credit_maps(base, t
 @pytest.mark.parametrize("name", ["advantage_flow", "nft", "leapalign"])
 def test_forward_process_and_leap_objectives_train_through_the_shared_loop(base, tmp_path, monkeypatch, name):
     _brightness_reward(monkeypatch)
-    slots = ({"objective.leapalign.beta_kl": 1.0, "objective.leapalign.detach_uncond": True} if name == "leapalign"  # as the quickstart
-             else {f"objective.{name}.timesteps": 2})
-    out = _run(base, tmp_path, **{"train.iterations": 2, "objective.name": name, "sampler.kind": "ode", **slots})
+    quickstart = {"objective.leapalign.beta_kl": 1.0, "objective.leapalign.detach_uncond": True}  # its anchor and detached branch
+    options = quickstart if name == "leapalign" else {f"objective.{name}.timesteps": 2}
+    out = _run(base, tmp_path, **{"train.iterations": 2, "objective.name": name, "sampler.kind": "ode", **options})
     assert out["step"] == 2
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"reward"' in line]
     assert rows[-1]["updates"] == TINY["train.minibatches"] and rows[-1]["kept_fraction"] == 1.0
