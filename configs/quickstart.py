@@ -22,6 +22,6 @@ def get_config(arg: str = ""):
     config = config_lib.embedded_train_config(ode_rollouts=True)
     config.objective.name = "leapalign"  # options: config.objective.leapalign (objectives/leap.py)
     config.objective.leapalign.update(beta_kl=3.0, detach_uncond=True)
-    config.train.update(lora_rank=0, lr=1e-4, iterations=48)
+    config.train.update(lora_rank=0, lr=1e-4, iterations=60)
     config.lock()
     return config
