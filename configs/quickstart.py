@@ -13,7 +13,8 @@ at lr 3e-4, the comparison's entry), and why (WORKSPACE_NOTES.md "The quickstart
 - the whole DiT is trained (`train.lora_rank=0`) at lr 1e-4: it climbs the learned reward faster;
 - an anchor to the base velocity (`objective.leapalign.beta_kl=3`): without it the whole-DiT run over-optimizes the
   learned reward (it rises while the exact score falls), and at 1 one seed in three drifted off the two-object prompts;
-- no gradient through CFG's unconditional branch (`objective.leapalign.detach_uncond`): a cheaper backward.
+- no gradient through CFG's unconditional branch (`objective.leapalign.detach_uncond`): a cheaper backward;
+- 60 iterations (the job takes ~9 min): at 48 one seed of three gained +0.069, at 60 all three gain +0.11 or more.
 """
 from flowrl_jax import config_lib
 
