@@ -14,7 +14,11 @@ at lr 3e-4, the comparison's entry), and why (WORKSPACE_NOTES.md "The quickstart
 - an anchor to the base velocity (`objective.leapalign.beta_kl=3`): without it the whole-DiT run over-optimizes the
   learned reward (it rises while the exact score falls), and at 1 one seed in three drifted off the two-object prompts;
 - no gradient through CFG's unconditional branch (`objective.leapalign.detach_uncond`): a cheaper backward;
-- 60 iterations (the job takes ~9 min): at 48 one seed of three gained +0.069, at 60 all three gain +0.11 or more.
+- 60 iterations (the job takes ~9 min): at 48 one seed of three gained +0.069, at 60 five of five gain +0.11 or more;
+- a guard, `train.time_budget_s=420`: 60 iterations take 372-389 s here after the first (compiling) one, so the guard
+  stops a run early only on a machine (or a slow spell of one) ~8% slower than this one, keeping the job under 10 min;
+- no image-change diagnostic (`diagnostics.image_change_every=0`, ~20 s a job): its split into SDE-trained and
+  untrained steps means nothing for an ODE objective.
 """
 from flowrl_jax import config_lib
 
@@ -23,6 +27,7 @@ def get_config(arg: str = ""):
     config = config_lib.embedded_train_config(ode_rollouts=True)
     config.objective.name = "leapalign"  # options: config.objective.leapalign (objectives/leap.py)
     config.objective.leapalign.update(beta_kl=3.0, detach_uncond=True)
-    config.train.update(lora_rank=0, lr=1e-4, iterations=60)
+    config.train.update(lora_rank=0, lr=1e-4, iterations=60, time_budget_s=420.0)
+    config.diagnostics.image_change_every = 0
     config.lock()
     return config
