@@ -105,6 +105,15 @@ def test_sigterm_saves_a_checkpoint_and_stops(base, tmp_path, monkeypatch):
     assert _state(str(tmp_path), 2) is not None  # a rerun resumes from it (test_resume_equals_uninterrupted_run)
 
 
+def test_time_budget_stops_once_reached_after_the_compiling_iteration_with_an_eval_and_a_checkpoint(base, tmp_path, capsys):
+    out = _run(base, tmp_path, **{"train.time_budget_s": 1e-9, "checkpoint.every": 100})
+    # the first (compiling) iteration is not counted, so any budget > 0 is first reached after iteration 2 of the 4
+    assert out["stopped"] == "time_budget" and out["step"] == 2 and out["wall_s"] > out["first_iteration_s"]
+    assert [e["step"] for e in out["evals"]] == [2]  # the stop is the run's end: it evaluates (eval.every=0 here)
+    assert _state(str(tmp_path), 2) is not None
+    assert "train.time_budget_s=1e-09 reached after 2 iterations" in capsys.readouterr().out
+
+
 def test_nan_reward_stops_naming_step_and_quantity_and_keeps_the_last_checkpoint(base, tmp_path, monkeypatch):
     _patched_reward(monkeypatch, lambda n, r: r * np.nan if n == 3 else r)
     with pytest.raises(FloatingPointError, match="reward .* not finite at step 3.*step 2"):
