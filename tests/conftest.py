@@ -45,12 +45,6 @@ def smoke_base(tmp_path_factory):
     return str(workdir)
 
 
-@pytest.fixture
-def base(smoke_base):
-    """The smoke pretrain workdir: the base model of the train and method tests' runs."""
-    return smoke_base
-
-
 @pytest.fixture(scope="session")
 def tiny_model():
     return build_mmdit(model_config("tiny"))

@@ -35,8 +35,8 @@ def _state(workdir, step=None):
         ckpt.close()
 
 
-def test_train_writes_tables_metrics_grids_and_report(base, tmp_path, capsys):
-    out = _run(base, tmp_path, **{"train.iterations": 2, "eval.at_start": True, "train.ema_every": 8, "diagnostics.image_change_every": 2})
+def test_train_writes_tables_metrics_grids_and_report(smoke_base, tmp_path, capsys):
+    out = _run(smoke_base, tmp_path, **{"train.iterations": 2, "eval.at_start": True, "train.ema_every": 8, "diagnostics.image_change_every": 2})
     assert out["step"] == 2 and [e["step"] for e in out["evals"]] == [0, 2]
     for name in ("eval.json", "report.png", "eval_000000.png", "eval_000002.png", "metrics.jsonl"):
         assert os.path.isfile(tmp_path / name), name
@@ -52,7 +52,7 @@ def test_train_writes_tables_metrics_grids_and_report(base, tmp_path, capsys):
     assert change["image_change/untrained_steps"] < 1e-6
     assert "GenEval-style table, step 0 -> 2" in capsys.readouterr().out
     state = _state(str(tmp_path))
-    _, base_params, _ = assets.load_pipeline(base)
+    _, base_params, _ = assets.load_pipeline(smoke_base)
     moved = jax.tree_util.tree_map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), state["params"], base_params["dit"])
     assert max(jax.tree_util.tree_leaves(moved)) > 1e-4  # the policy was updated
     # EMA every 8 optimizer steps (Flow-GRPO's cadence): after 2 iterations x 2 minibatches it has not moved yet
@@ -68,12 +68,12 @@ def _damage(step_folder):
                     out.write(b"\0" * 16)
 
 
-def test_resume_equals_uninterrupted_run_and_skips_a_damaged_checkpoint(base, tmp_path, capsys):
-    _run(base, tmp_path / "full")
-    _run(base, tmp_path / "part", **{"train.iterations": 2})
+def test_resume_equals_uninterrupted_run_and_skips_a_damaged_checkpoint(smoke_base, tmp_path, capsys):
+    _run(smoke_base, tmp_path / "full")
+    _run(smoke_base, tmp_path / "part", **{"train.iterations": 2})
     _damage(tmp_path / "part" / "checkpoints" / "2")  # the newest step is damaged: resume from step 1, keep step 2's files
     capsys.readouterr()
-    out = _run(base, tmp_path / "part")
+    out = _run(smoke_base, tmp_path / "part")
     assert out["step"] == 4
     printed = capsys.readouterr()
     assert "checkpoint step 2" in printed.out and "damaged" in printed.out and "resumed from step 1" in printed.out
@@ -93,20 +93,20 @@ def _patched_reward(monkeypatch, on_call):
     monkeypatch.setitem(rewards.REWARDS, "shapes_score", lambda: reward)
 
 
-def test_sigterm_saves_a_checkpoint_and_stops(base, tmp_path, monkeypatch):
+def test_sigterm_saves_a_checkpoint_and_stops(smoke_base, tmp_path, monkeypatch):
     def on_call(n, r):
         if n == 2:
             os.kill(os.getpid(), signal.SIGTERM)
         return r
 
     _patched_reward(monkeypatch, on_call)
-    out = _run(base, tmp_path, **{"checkpoint.every": 100})
+    out = _run(smoke_base, tmp_path, **{"checkpoint.every": 100})
     assert out["stopped"] == "SIGTERM" and out["step"] == 2
     assert _state(str(tmp_path), 2) is not None  # a rerun resumes from it (test_resume_equals_uninterrupted_run)
 
 
-def test_time_budget_stops_once_reached_after_the_compiling_iteration_with_an_eval_and_a_checkpoint(base, tmp_path, capsys):
-    out = _run(base, tmp_path, **{"train.time_budget_s": 1e-9, "checkpoint.every": 100})
+def test_time_budget_stops_once_reached_after_the_compiling_iteration_with_an_eval_and_a_checkpoint(smoke_base, tmp_path, capsys):
+    out = _run(smoke_base, tmp_path, **{"train.time_budget_s": 1e-9, "checkpoint.every": 100})
     # the first (compiling) iteration is not counted, so any budget > 0 is first reached after iteration 2 of the 4
     assert out["stopped"] == "time_budget" and out["step"] == 2 and out["wall_s"] > out["first_iteration_s"]
     assert [e["step"] for e in out["evals"]] == [2]  # the stop is the run's end: it evaluates (eval.every=0 here)
@@ -114,10 +114,10 @@ def test_time_budget_stops_once_reached_after_the_compiling_iteration_with_an_ev
     assert "train.time_budget_s=1e-09 reached after 2 iterations" in capsys.readouterr().out
 
 
-def test_nan_reward_stops_naming_step_and_quantity_and_keeps_the_last_checkpoint(base, tmp_path, monkeypatch):
+def test_nan_reward_stops_naming_step_and_quantity_and_keeps_the_last_checkpoint(smoke_base, tmp_path, monkeypatch):
     _patched_reward(monkeypatch, lambda n, r: r * np.nan if n == 3 else r)
     with pytest.raises(FloatingPointError, match="reward .* not finite at step 3.*step 2"):
-        _run(base, tmp_path)
+        _run(smoke_base, tmp_path)
     ckpt = checkpoint.Checkpointer(os.path.join(tmp_path, "checkpoints"))
     assert ckpt.latest_step() == 2
     ckpt.close()
@@ -131,15 +131,15 @@ def _digest(folder):
     return h.hexdigest()
 
 
-def test_bad_inputs_are_one_line_errors_and_nothing_saved_changes(base, tmp_path):
+def test_bad_inputs_are_one_line_errors_and_nothing_saved_changes(smoke_base, tmp_path):
     workdir = tmp_path / "run"
-    _run(base, workdir, **{"train.iterations": 1})
+    _run(smoke_base, workdir, **{"train.iterations": 1})
     before = _digest(workdir)
     empty, bad = tmp_path / "empty.jsonl", tmp_path / "bad.jsonl"
     empty.write_text("\n")
     bad.write_text('{"prompt": "a circle", "category": "single_object", "spec": {}}\nnot json\n')
     corrupt = tmp_path / "corrupt_base"
-    shutil.copytree(base, corrupt)
+    shutil.copytree(smoke_base, corrupt)
     for root, _, files in os.walk(corrupt / "checkpoints"):
         for f in files:
             if "ocdbt" in root or f.endswith("manifest.ocdbt"):
@@ -155,19 +155,19 @@ def test_bad_inputs_are_one_line_errors_and_nothing_saved_changes(base, tmp_path
              ({"train.lr_schedule": "linear"}, "lr_schedule='linear' is not a schedule")]
     for fields, message in cases:
         with pytest.raises(ConfigError, match=message) as e:
-            _run(base, workdir, **fields)
+            _run(smoke_base, workdir, **fields)
         assert "\n" not in str(e.value)
     assert _digest(workdir) == before
 
 
-def test_eight_device_run_agrees_with_one_device(base, tmp_path, monkeypatch):
+def test_eight_device_run_agrees_with_one_device(smoke_base, tmp_path, monkeypatch):
     fields = {"train.iterations": 1, "mesh": (("data", 4), ("fsdp", 2)), "min_fsdp_size": 64, "sampler.num_steps": 2,
               "eval.num_steps": 1}
     fields["eval.at_start"] = False
-    _run(base, tmp_path / "eight", **fields)
+    _run(smoke_base, tmp_path / "eight", **fields)
     real = parallel.make_mesh
     monkeypatch.setattr(parallel, "make_mesh", lambda axes: real((("data", 1), ("fsdp", 1)), devices=jax.devices()[:1]))
-    _run(base, tmp_path / "one", **fields)
+    _run(smoke_base, tmp_path / "one", **fields)
     rows = [[json.loads(line) for line in open(tmp_path / d / "metrics.jsonl") if "reward" in line][0] for d in ("eight", "one")]
     # rtol 2e-3: loss, kl and grad_norm are float32 sums over up to ~16k terms (the tiny DiT's elements for grad_norm)
     # reduced in another order over 8 devices, |delta| <= K eps sum|terms| = 16e3 x 1.2e-7 ~ 2e-3 relative at worst

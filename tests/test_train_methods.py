@@ -16,9 +16,9 @@ def _brightness_reward(monkeypatch):
     monkeypatch.setitem(rewards.REWARDS, "shapes_score", lambda: (lambda images, prompts: np.asarray(images).mean(axis=(1, 2, 3))))
 
 
-def test_stepwise_adaptive_curriculum_and_lambda_control_run_together(base, tmp_path, monkeypatch):
+def test_stepwise_adaptive_curriculum_and_lambda_control_run_together(smoke_base, tmp_path, monkeypatch):
     _brightness_reward(monkeypatch)
-    out = _run(base, tmp_path, **{"train.iterations": 2, "credit.names": ("stepwise", "adaptive"), "curriculum.enabled": True,
+    out = _run(smoke_base, tmp_path, **{"train.iterations": 2, "credit.names": ("stepwise", "adaptive"), "curriculum.enabled": True,
                                   "objective.grpo.lambda_control": True, "sampler.sde_window": (0, 2)})
     assert out["step"] == 2
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"reward"' in line]
@@ -29,21 +29,21 @@ def test_stepwise_adaptive_curriculum_and_lambda_control_run_together(base, tmp_
     assert int(np.asarray(state["curriculum"]["count"]).sum()) == 2 * TINY["train.prompts_per_iteration"]
 
 
-def test_turning_points_compose_with_spatial_credit_and_draw_credit_maps(base, tmp_path, monkeypatch):
+def test_turning_points_compose_with_spatial_credit_and_draw_credit_maps(smoke_base, tmp_path, monkeypatch):
     _brightness_reward(monkeypatch)
-    out = _run(base, tmp_path, **{"train.iterations": 2, "credit.names": ("turning_point", "spatial"), "objective.grpo.ratio": "token"})
+    out = _run(smoke_base, tmp_path, **{"train.iterations": 2, "credit.names": ("turning_point", "spatial"), "objective.grpo.ratio": "token"})
     assert out["step"] == 2
     assert os.path.isfile(tmp_path / "credit_maps_000001.png") and os.path.isfile(tmp_path / "credit_maps_000002.png")
     with pytest.raises(ConfigError, match="credit spatial needs per-token ratios.*config.objective.grpo"):
-        _run(base, tmp_path / "bad", **{"credit.names": ("uniform", "spatial")})
+        _run(smoke_base, tmp_path / "bad", **{"credit.names": ("uniform", "spatial")})
 
 
 @pytest.mark.parametrize("name", ["advantage_flow", "nft", "leapalign"])
-def test_forward_process_and_leap_objectives_train_through_the_shared_loop(base, tmp_path, monkeypatch, name):
+def test_forward_process_and_leap_objectives_train_through_the_shared_loop(smoke_base, tmp_path, monkeypatch, name):
     _brightness_reward(monkeypatch)
-    quickstart = {"objective.leapalign.beta_kl": 1.0, "objective.leapalign.detach_uncond": True}  # its anchor and detached branch
-    options = quickstart if name == "leapalign" else {f"objective.{name}.timesteps": 2}
-    out = _run(base, tmp_path, **{"train.iterations": 2, "objective.name": name, "sampler.kind": "ode", **options})
+    anchored = {"objective.leapalign.beta_kl": 1.0, "objective.leapalign.detach_uncond": True}  # the quickstart's two options
+    options = anchored if name == "leapalign" else {f"objective.{name}.timesteps": 2}
+    out = _run(smoke_base, tmp_path, **{"train.iterations": 2, "objective.name": name, "sampler.kind": "ode", **options})
     assert out["step"] == 2
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"reward"' in line]
     assert rows[-1]["updates"] == TINY["train.minibatches"] and rows[-1]["kept_fraction"] == 1.0
@@ -60,7 +60,7 @@ def test_forward_process_and_leap_objectives_train_through_the_shared_loop(base,
         assert 0 < old_gap <= 0.01 * max(moved) + 1e-9
 
 
-def test_objectives_reject_samplers_and_credit_they_cannot_use(base, tmp_path):
+def test_objectives_reject_samplers_and_credit_they_cannot_use(smoke_base, tmp_path):
     for fields, match in [({"objective.name": "grpo", "sampler.kind": "ode"}, "cannot be trained on"),
                           ({"objective.name": "nft", "sampler.kind": "sde", "objective.nft.timesteps": 2}, "choose one of ode"),
                           ({"objective.grpo.lambda_control": True, "sampler.kind": "lc"}, "choose one of sde, cps"),
@@ -69,4 +69,4 @@ def test_objectives_reject_samplers_and_credit_they_cannot_use(base, tmp_path):
                           ({"objective.name": "nft", "sampler.kind": "ode"}, "objective.nft.timesteps=9 of the sampler's 3"),
                           ({"objective.name": "advantage_flow", "sampler.kind": "ode", "credit.names": ("stepwise",)}, "needs per-step")]:
         with pytest.raises(ConfigError, match=match):
-            _run(base, tmp_path / "bad", **fields)
+            _run(smoke_base, tmp_path / "bad", **fields)
