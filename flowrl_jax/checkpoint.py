@@ -23,10 +23,11 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from flowrl_jax import paths
+from flowrl_jax import parallel, paths
 
 DAMAGED_SUFFIX = ".damaged"
 
@@ -125,30 +126,47 @@ class Checkpointer:
     def restore_latest(self, template: Any) -> tuple[Any, dict, list[tuple[int, str]]] | tuple[None, None, list]:
         """(state, meta, skipped) of the newest step that reads back; `skipped` lists the newer damaged steps as
         (step, reason), their folders renamed to `<step>.damaged` (named in the reason). (None, None, []) when
-        there is no checkpoint; CheckpointError (nothing renamed) when every step is damaged."""
-        skipped = []
-        for step in reversed(self.all_steps()):
-            reason = self.damage(step)
-            if reason is None:
-                state, meta = self._restore(step, template)
-                return state, meta, [(s, f"{r}; moved to {self._set_aside(s)}") for s, r in skipped]
-            skipped.append((step, reason))
-        if skipped:
+        there is no checkpoint; CheckpointError (nothing renamed) when every step is damaged.
+
+        With several processes, process 0 alone reads the steps, chooses one and renames the damaged folders; the
+        others wait at a barrier, receive its choice and restore that same step (their reasons read "see process 0")."""
+        steps = self.all_steps()
+        chosen, skipped = -1, []
+        if jax.process_index() == 0:
+            for step in reversed(steps):
+                reason = self.damage(step)
+                if reason is None:
+                    chosen = step
+                    break
+                skipped.append((step, reason))
+            if chosen >= 0:
+                skipped = [(s, f"{r}; moved to {self._set_aside(s)}") for s, r in skipped]
+        decision = np.full(len(steps) + 1, -1, np.int64)  # [chosen, skipped steps..., -1 padding]: one broadcast
+        decision[0] = chosen
+        decision[1 : 1 + len(skipped)] = [s for s, _ in skipped]
+        decision = parallel.from_process_0(decision)
+        parallel.barrier("flowrl_checkpoint_chosen")  # the renames are done before anyone lists the folder again
+        chosen = int(decision[0])
+        if jax.process_index() != 0:
+            skipped = [(int(s), "see process 0's log") for s in decision[1:] if s >= 0]
+        self.manager.reload()
+        if chosen >= 0:
+            state, meta = self._restore(chosen, template)
+            return state, meta, skipped
+        if steps:
             damaged = "; ".join(f"step {s}: {r}" for s, r in skipped)
             raise CheckpointError(f"no checkpoint in {self.directory} can be restored, every step is damaged ({damaged}); "
                                   "move the damaged step folders away to start afresh")
         return None, None, []
 
     def _set_aside(self, step: int) -> str:
-        """Rename a damaged step folder to `<step>.damaged` (`-2`, `-3`, ... if taken); its new path."""
+        """Rename a damaged step folder to `<step>.damaged` (`-2`, `-3`, ... if taken); its new path (process 0)."""
         folder = os.path.join(self.directory, str(step))
         target, n = folder + DAMAGED_SUFFIX, 1
         while paths.exists(target):
             n += 1
             target = f"{folder}{DAMAGED_SUFFIX}-{n}"
-        if jax.process_index() == 0:
-            paths.rename(folder, target)
-        self.manager.reload()
+        paths.rename(folder, target)
         return target
 
     def close(self) -> None:

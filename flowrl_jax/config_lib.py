@@ -39,7 +39,8 @@ def base_config(job: str) -> ConfigDict:
     cfg.mesh = (("data", -1), ("fsdp", 1))  # -1 fills the remaining devices
     cfg.partition_rules = DEFAULT_RULES
     cfg.min_fsdp_size = 2**14  # arrays smaller than this stay replicated
-    cfg.distributed = "auto"  # jax.distributed.initialize() when a cluster environment is detected
+    cfg.distributed = "auto"  # jax.distributed.initialize() on a multi-host TPU slice or cluster (parallel.distributed_plan); True / False
+    cfg.distributed_timeout_s = 300  # processes that have not formed their group by then: a one-line error
     return cfg
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from flowrl_jax import assets, metrics
+from flowrl_jax import assets, metrics, parallel
 from flowrl_jax.data import shapes
 from flowrl_jax.rewards import shapes_eval
 
@@ -39,7 +39,7 @@ def geneval(pipe, params, prompts: list[dict], rng, samples_per_prompt: int = 1,
         chunk = rows[start : start + batch_size]
         pad = batch_size - len(chunk)  # one compiled shape: pad the last batch
         ids, mask = pipe.tokenize([r["prompt"] for r in chunk] + [""] * pad)
-        out = np.asarray(sampler(params, jnp.asarray(ids), jnp.asarray(mask), jax.random.fold_in(rng, i)))[: len(chunk)]
+        out = parallel.to_host(sampler(params, ids, mask, jax.random.fold_in(rng, i)))[: len(chunk)]  # gathered on every host
         result = shapes_eval.evaluate(out, [r["spec"] for r in chunk])
         images.append(out)
         strict.append(result["strict"])

@@ -93,9 +93,16 @@ def main(argv) -> None:
         logging.set_verbosity(logging.WARNING)  # orbax and jax log every step at INFO; -v 0 brings it back
     if _CONFIG.value is None:
         _fail("--config is required, e.g. --config configs/inspect_mmdit.py")
+    config = _CONFIG.value
     try:
-        parallel.maybe_initialize_distributed(_CONFIG.value.get("distributed", "auto"))  # before any job touches JAX
-        run_job(_CONFIG.value, _WORKDIR.value)
+        try:  # before any job touches JAX
+            parallel.maybe_initialize_distributed(config.get("distributed", "auto"),
+                                                  config.get("distributed_timeout_s", parallel.DISTRIBUTED_TIMEOUT_S))
+        except ValueError as e:  # a config.distributed that is no switch
+            raise ConfigError(str(e)) from None
+        except parallel.DistributedStartError as e:
+            _fail(str(e))
+        run_job(config, _WORKDIR.value)
     except ConfigError as e:
         _fail(str(e))
 

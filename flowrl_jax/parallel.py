@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+import threading
 from typing import Any, Callable, Sequence
 
 import jax
@@ -176,27 +178,122 @@ def process_batch_slice(global_batch_size: int) -> slice:
     return slice(jax.process_index() * per, (jax.process_index() + 1) * per)
 
 
-CLUSTER_ENV = ("TPU_WORKER_HOSTNAMES", "JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")
+CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")  # clusters whose peers JAX's own detection finds
+TPU_WORKERS_ENV = ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES")  # the TPU runtime's worker list (GKE), JAX's order
+DEFAULT_COORDINATOR_PORT = "8482"  # JAX's own for TPU slices (jax/_src/clusters/cloud_tpu_cluster.py)
+DISTRIBUTED_TIMEOUT_S = 300  # jax.distributed.initialize's own default deadline
 
 
-def maybe_initialize_distributed(enabled: bool | str = "auto") -> None:
-    """`jax.distributed.initialize()` on multi-process runs, once, before anything touches a JAX backend.
+def parse_switch(value: Any, key: str = "distributed") -> bool | str:
+    """`config.distributed` as ml_collections users write it: "auto", or a boolean that may arrive as a string
+    from the command line (`--config.distributed=True` gives 'True' when the field's default is "auto")."""
+    if isinstance(value, bool) or value == "auto":
+        return value
+    text = str(value).strip().lower()
+    if text in ("auto", "true", "false", "1", "0", "yes", "no"):
+        return "auto" if text == "auto" else text in ("true", "1", "yes")
+    raise ValueError(f"config.{key}={value!r}: choose auto, True or False")
 
-    `"auto"` initializes when a cluster environment is present (TPU pods, SLURM, Open MPI find their peers
-    themselves); by hand, `JAX_COORDINATOR_ADDRESS=host:port JAX_NUM_PROCESSES=n JAX_PROCESS_ID=i` on every
-    process (CPU processes exchange collectives through gloo, JAX's default). A backend already started is a
-    RuntimeError saying so."""
-    if jax.distributed.is_initialized() or not (enabled is True or (enabled == "auto" and any(os.environ.get(k) for k in CLUSTER_ENV))):
-        return
-    kwargs = {name: int(os.environ[var]) for name, var in (("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID"))
-              if os.environ.get(var)}
+
+TPU_PCI_DEVICE_IDS = ("0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076")  # v3 .. TPU7x, as JAX lists them
+
+
+def on_tpu_vm(pci_root: str = "/sys/bus/pci/devices") -> bool:
+    """A Cloud TPU VM: a TPU chip on the PCI bus (Google's vendor id 0x1ae0 with a TPU device id), the test JAX's own
+    `hardware_utils` makes, without starting a backend."""
+    import glob
+
+    for vendor in glob.glob(os.path.join(pci_root, "*", "vendor")):
+        with open(vendor) as f, open(os.path.join(os.path.dirname(vendor), "device")) as g:
+            if f.read().strip() == "0x1ae0" and g.read().strip() in TPU_PCI_DEVICE_IDS:
+                return True
+    return False
+
+
+def _metadata(key: str, timeout_s: float = 5.0) -> str | None:
+    """A GCE instance attribute from the metadata server (JAX's `GCE_METADATA_IP` honoured), None if absent."""
+    import urllib.request
+
+    host = os.environ.get("GCE_METADATA_IP", "metadata.google.internal")
+    request = urllib.request.Request(f"http://{host}/computeMetadata/v1/instance/attributes/{key}", headers={"Metadata-Flavor": "Google"})
     try:
-        jax.distributed.initialize(**kwargs)
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.read().decode()
+    except OSError:
+        return None
+
+
+def tpu_workers() -> list[str]:
+    """The hosts of this TPU slice, in process order: the TPU runtime's environment where it sets one (GKE), else,
+    on a Cloud TPU VM, the metadata server's `worker-network-endpoints` (what JAX's own detection reads); [] elsewhere."""
+    for var in TPU_WORKERS_ENV:
+        if os.environ.get(var):
+            return [h.strip() for h in os.environ[var].split(",") if h.strip()]
+    if not on_tpu_vm():
+        return []
+    endpoints = _metadata("worker-network-endpoints") or ""
+    return [w.split(":")[-1] for w in endpoints.split(",") if w.strip()]  # "name:id:ip" (old format) or a hostname
+
+
+def distributed_plan(enabled: bool | str = "auto") -> dict | None:
+    """The arguments of `jax.distributed.initialize` for this process, or None when it is a single process.
+
+    - `JAX_COORDINATOR_ADDRESS` (+ `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`): by hand, any platform (CPU uses gloo).
+    - A multi-host TPU slice (more than one worker, `tpu_workers`): on a TPU VM no arguments, JAX's own detection
+      (metadata server or the runtime's environment); off one (CPU processes given a TPU runtime's environment:
+      the simulated pod, `tpu_scripts/standin/`) the values that detection derives from that environment:
+      the first worker, `JAX_COORDINATOR_PORT` (default 8482), the worker count and `TPU_WORKER_ID`.
+    - SLURM / Open MPI: no arguments, JAX's own detection.
+    A single-host TPU VM, a laptop or a GPU box: None. `enabled` True forces an initialize (JAX's detection with
+    whatever the environment gives), False never."""
+    enabled = parse_switch(enabled)
+    if enabled is False:
+        return None
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return {name: int(os.environ[var]) for name, var in (("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID"))
+                if os.environ.get(var)}
+    workers = tpu_workers()
+    if len(workers) > 1:
+        if on_tpu_vm():
+            return {}
+        port = os.environ.get("JAX_COORDINATOR_PORT", DEFAULT_COORDINATOR_PORT)
+        return {"coordinator_address": f"{workers[0]}:{port}", "num_processes": len(workers),
+                "process_id": int(os.environ.get("TPU_WORKER_ID", "0"))}
+    if any(os.environ.get(k) for k in CLUSTER_ENV) or enabled is True:
+        return {}
+    return None
+
+
+class DistributedStartError(RuntimeError):
+    """The processes of a multi-process run did not form their group in time (one line)."""
+
+
+def maybe_initialize_distributed(enabled: bool | str = "auto", timeout_s: int = DISTRIBUTED_TIMEOUT_S) -> None:
+    """`jax.distributed.initialize()` on multi-process runs (`distributed_plan`), once, before anything touches a
+    JAX backend. Processes that have not formed their group after `timeout_s` end with one line naming the
+    coordinator and exit code 2; a backend already started is a RuntimeError saying so."""
+    if jax.distributed.is_initialized():
+        return
+    plan = distributed_plan(enabled)
+    if plan is None:
+        return
+    where = plan.get("coordinator_address") or os.environ.get("JAX_COORDINATOR_ADDRESS") or "found by JAX's cluster detection"
+    message = (f"the {plan.get('num_processes', 'all')} processes did not form a group within {timeout_s} s (coordinator {where}): "
+               "start the same command on every worker at once (tpu_scripts/train.sh does)")
+    # Past its deadline JAX's coordination client aborts the process (a C++ fatal error and a stack trace, not a Python
+    # exception), so a watchdog of ours says it in one line first and exits; JAX's own deadline is set a little later.
+    watchdog = threading.Timer(timeout_s, lambda: (print(f"flowrl_jax: error: {message}", file=sys.stderr, flush=True), os._exit(2)))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(**plan, initialization_timeout=int(timeout_s) + 30)
     except RuntimeError as e:
         if "before any JAX" in str(e):
             raise RuntimeError("jax.distributed.initialize() came after a JAX backend was started in this process: "
                                "initialize first (flowrl_jax.main does, before the job runs)") from None
-        raise
+        raise DistributedStartError(f"{message} [{str(e).strip().splitlines()[0][:200]}]") from None
+    finally:
+        watchdog.cancel()
 
 
 def local_rows(x: jax.Array) -> np.ndarray:
@@ -224,3 +321,33 @@ def to_host(x: jax.Array) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def agree(flags: dict[str, bool]) -> dict[str, bool]:
+    """Every process's flags OR-ed together, the same answer on every process: one small allgather (nothing with one
+    process). What the train loop's stop decisions go through, so no host stops while another enters the next
+    iteration's collectives (a pod would hang there)."""
+    if jax.process_count() == 1:
+        return dict(flags)
+    from jax.experimental import multihost_utils
+
+    names = sorted(flags)
+    gathered = np.asarray(multihost_utils.process_allgather(np.asarray([bool(flags[n]) for n in names], np.int32)))
+    return dict(zip(names, (bool(v) for v in gathered.reshape(-1, len(names)).any(0))))
+
+
+def from_process_0(value: np.ndarray) -> np.ndarray:
+    """Process 0's `value` (a numpy array, the same shape and dtype on every process) on every process."""
+    if jax.process_count() == 1:
+        return np.asarray(value)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(value)))
+
+
+def barrier(name: str) -> None:
+    """Every process waits here until all have arrived (nothing with one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)

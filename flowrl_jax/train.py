@@ -47,7 +47,8 @@ def itstime(step: int, every: int, total: int, last: bool = False) -> bool:
 
 
 class StopSignal:
-    """SIGTERM/SIGINT set `requested` (the loop saves and exits at the end of the iteration)."""
+    """SIGTERM/SIGINT set `requested` (the loop saves and exits at the end of the iteration, every process together:
+    `after_iteration`); a second signal while the first is pending ends the process at once, as if unhandled."""
 
     def __init__(self):
         self.requested = None
@@ -59,6 +60,9 @@ class StopSignal:
         return self
 
     def _handle(self, signum, frame):
+        if self.requested is not None:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
         self.requested = signal.Signals(signum).name
 
     def __exit__(self, *exc):
@@ -196,13 +200,15 @@ def rollout(job: Job, state: TrainState, batch: dict, it: int):
 
 def score(job: Job, ro, batch: dict, it: int) -> dict:
     """Rewards of this process's decoded samples (host), gathered into global arrays with the group ids
-    (`reward` and `parts`: every process's rows on the host, for the logs)."""
+    (`reward` and `parts`: every process's rows on the host, for the logs). A non-finite reward anywhere stops the
+    run on every process at once: the test reads the gathered rewards, the same values on every host."""
     images = parallel.local_rows(job.world.decode(job.steps.frozen, ro.final))
     reward, parts = job.reward_fn(images, batch["prompts_local"])
-    _finite_or_stop({"reward": reward}, it + 1, job.ckpt)
     rewards = parallel.global_from_local(reward, job.mesh)
     every = {n: parallel.to_host(parallel.global_from_local(v, job.mesh)) for n, v in parts.items()}  # all processes' rows, for logs
-    return {"reward": parallel.to_host(rewards), "parts": every, "rewards": rewards,
+    gathered = parallel.to_host(rewards)
+    _finite_or_stop({"reward": gathered}, it + 1, job.ckpt)
+    return {"reward": gathered, "parts": every, "rewards": rewards,
             "group_ids": parallel.global_from_local(batch["group_ids"][job.local], job.mesh)}
 
 
@@ -276,19 +282,24 @@ def log_iteration(job: Job, done: int, scored: dict, stats: dict, keep: np.ndarr
 
 
 def after_iteration(job: Job, state: TrainState, done: int, stop: StopSignal) -> str | None:
-    """Eval, checkpoint and the stop conditions after `done` iterations; -> why the run stops, or None."""
+    """Eval, checkpoint and the stop conditions after `done` iterations; -> why the run stops, or None. The stop
+    conditions of every process are agreed in one collective (`parallel.agree`): a signal to any one process, or any
+    process past the time budget, stops them all after the same iteration, each saving the same step."""
     t_cfg, history = job.config.train, job.history
-    out_of_time = bool(t_cfg.time_budget_s) and history["wall_s"] - history["first_iteration_s"] >= t_cfg.time_budget_s
+    agreed = parallel.agree({"signal": stop.requested is not None, "out_of_time": bool(t_cfg.time_budget_s) and
+                             history["wall_s"] - history["first_iteration_s"] >= t_cfg.time_budget_s})
+    out_of_time = agreed["out_of_time"]
+    signalled = (stop.requested or "SIGTERM (to another process)") if agreed["signal"] else None
     if itstime(done, job.config.eval.every, t_cfg.iterations, last=out_of_time):
         run_eval(job, state, done)
-    if itstime(done, job.config.checkpoint.every, t_cfg.iterations, last=out_of_time or bool(stop.requested)):
+    if itstime(done, job.config.checkpoint.every, t_cfg.iterations, last=out_of_time or bool(signalled)):
         meta = {"step": done, "history": history}
         if job.reader is not None:
             meta["prompt_reader"] = job.reader.get_state()
         job.ckpt.save(done, state, meta)
-    if stop.requested:
-        tqdm.write(f"{stop.requested}: saved a checkpoint at step {done} in {job.ckpt.directory}; rerun the same command to resume")
-        return stop.requested
+    if signalled:
+        tqdm.write(f"{signalled}: saved a checkpoint at step {done} in {job.ckpt.directory}; rerun the same command to resume")
+        return signalled
     if out_of_time:
         tqdm.write(f"train.time_budget_s={t_cfg.time_budget_s} reached after {done} iterations ({history['wall_s']:.0f} s)")
         return "time_budget"
@@ -323,9 +334,16 @@ def iteration(job: Job, state: TrainState, it: int) -> tuple[TrainState, dict]:
 def run(config, workdir: str | None) -> dict:
     if not workdir:
         raise ConfigError("the train job needs --workdir (checkpoints, metrics and samples go there)")
-    parallel.maybe_initialize_distributed(config.distributed)
-    world = validate(config)
-    job, state = setup(config, workdir, world)
+    with StopSignal() as stop:  # from the start: a signal during loading or compiling stops after the first iteration
+        parallel.maybe_initialize_distributed(config.distributed, config.get("distributed_timeout_s", parallel.DISTRIBUTED_TIMEOUT_S))
+        world = validate(config)
+        job, state = setup(config, workdir, world)
+        return loop(job, state, stop)
+
+
+def loop(job: Job, state: TrainState, stop: StopSignal) -> dict:
+    """The iterations from `job.start_step`, an eval first on a fresh run; -> `finish`'s result."""
+    config = job.config
     t_cfg, start = config.train, job.start_step
     if start == 0 and config.eval.at_start and not job.history["evals"]:
         run_eval(job, state, 0)
@@ -333,14 +351,13 @@ def run(config, workdir: str | None) -> dict:
                disable=not metrics.is_writer())  # logs from process 0
     stopped = None
     try:
-        with StopSignal() as stop:
-            for it in bar:
-                state, scalars = iteration(job, state, it)
-                shown = {k: f"{scalars[k]:.3g}" for k in ("learned_reward", "clipfrac", "kl") if k in scalars}  # the objective's own
-                bar.set_postfix(reward=f"{scalars['reward']:.3f}", **shown)
-                stopped = after_iteration(job, state, it + 1, stop)
-                if stopped:
-                    break
+        for it in bar:
+            state, scalars = iteration(job, state, it)
+            shown = {k: f"{scalars[k]:.3g}" for k in ("learned_reward", "clipfrac", "kl") if k in scalars}  # the objective's own
+            bar.set_postfix(reward=f"{scalars['reward']:.3f}", **shown)
+            stopped = after_iteration(job, state, it + 1, stop)
+            if stopped:
+                break
     finally:
         job.ckpt.close()
         job.writer.close()

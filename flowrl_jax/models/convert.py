@@ -75,10 +75,12 @@ def _abstract_params(model: MMDiT) -> dict:
 
 
 def _to_numpy(value) -> np.ndarray:
-    """Array-like (numpy, jax, torch CPU tensor) -> float32 numpy, without importing torch."""
+    """Array-like (numpy, jax, torch CPU tensor) -> host numpy, without importing torch: floating values keep
+    their width (a bfloat16 file stays bfloat16 on the host until it is cast to the model's dtype), others float32."""
     if hasattr(value, "detach"):  # a torch tensor: leave bfloat16 through float(), which numpy lacks
         value = value.detach().cpu().float()
-    return np.asarray(value, dtype=np.float32)
+    value = np.asarray(value)
+    return value if value.dtype in (np.float32, np.float16, ml_dtypes.bfloat16) else value.astype(np.float32)
 
 
 def _expected_pos_table(model: MMDiT) -> np.ndarray | None:
@@ -93,6 +95,8 @@ def convert_tree(abstract: Mapping[str, Any], state_dict: Mapping[str, Any], key
                  ignored: Callable[[str], bool] = lambda key: False, what: str = "the model") -> dict:
     """A {name: array-like} state_dict -> a params tree, for any port (MMDiT, CLIP, T5, VAE).
 
+    The tree's leaves are host numpy arrays in `dtype`, on no device: placing them is the caller's, shard by shard
+    (`parallel.put_global`), so no device ever holds a whole tensor it does not own.
     abstract   {our "a/b/kernel" path: ShapeDtypeStruct} (`flat_abstract_params`)
     key_of     our path -> the reference's key;  transform (path, float32 value) -> our layout
     ignored    reference keys that are no parameter of ours (buffers such as position_ids)
@@ -110,7 +114,7 @@ def convert_tree(abstract: Mapping[str, Any], state_dict: Mapping[str, Any], key
         if value.shape != tuple(spec.shape):
             mismatched.append(f"{key}: got {value.shape}, model expects {tuple(spec.shape)}")
             continue
-        flat[path] = jnp.asarray(value, dtype=dtype)
+        flat[path] = np.asarray(value, dtype=jnp.dtype(dtype))  # host memory; ml_dtypes gives numpy bfloat16
     claimed = {key_of(path) for path in abstract}
     unknown = sorted(k for k in state_dict if k not in claimed and not ignored(k))
     problems = []
@@ -143,7 +147,7 @@ def from_state_dict(model: MMDiT, state_dict: Mapping[str, Any]) -> dict:
     params = convert_tree(_abstract_params(model), state_dict, diffusers_key, transform, model.param_dtype,
                           ignored=lambda key: key == _POS_TABLE_KEY, what="MMDiT")
     if _POS_TABLE_KEY in state_dict:
-        table, ours = _to_numpy(state_dict[_POS_TABLE_KEY]), _expected_pos_table(model)
+        table, ours = _to_numpy(state_dict[_POS_TABLE_KEY]).astype(np.float32), _expected_pos_table(model)
         if ours is None or table.shape != ours.shape or not np.allclose(table, ours, atol=1e-4):
             raise ConversionError(
                 f"cannot load weights into MMDiT: {_POS_TABLE_KEY} does not match the sin-cos table of "
@@ -170,7 +174,8 @@ def to_state_dict(model: MMDiT, params: Mapping[str, Any]) -> dict[str, np.ndarr
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """safetensors' numpy loader, extended to BF16 (which numpy lacks) through ml_dtypes."""
+    """safetensors' numpy loader, extended to BF16 (which numpy lacks) through ml_dtypes: BF16 tensors come back
+    as `ml_dtypes.bfloat16` numpy arrays (half the host memory of float32; exact either way)."""
     with open(path, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(header_len))
@@ -182,7 +187,7 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
     for name, info in header.items():
         start, end = info["data_offsets"]
         if info["dtype"] == "BF16":
-            out[name] = data[start:end].view(ml_dtypes.bfloat16).reshape(info["shape"]).astype(np.float32)
+            out[name] = np.array(data[start:end].view(ml_dtypes.bfloat16).reshape(info["shape"]))
         else:
             dtype = safetensors.numpy._getdtype(info["dtype"])
             out[name] = np.array(data[start:end].view(dtype).reshape(info["shape"]))

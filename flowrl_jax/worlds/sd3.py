@@ -89,11 +89,18 @@ class SD3World:
         self._rows = parallel.batch_sharding(parallel.make_mesh(self.config.mesh))
         self._decode = jax.jit(self.decode_rows)  # called on the host's rollouts too (score): one program, not op by op
         if w.text_cache:
-            params = {**params, "text": self._encode_all(params["text"])}
+            params = {**params, "text": self._encode_all(self.place(params["text"]))}
         return self.pipe.dit, params
 
+    def place(self, host_params):
+        """Host weights -> global arrays sharded by the config's partition rules, each device given only its own
+        pieces (`parallel.put_global`); the train job places the whole frozen tree the same way (`steps.Steps`)."""
+        c = self.config
+        return parallel.put_global(host_params, parallel.tree_shardings(host_params, self._rows.mesh, c.partition_rules, c.min_fsdp_size))
+
     def _encode_all(self, text_params, batch_size: int = 32) -> dict:
-        """The text cache: every distinct train/test prompt and "" encoded once -> {"tokens", "pooled"} (host)."""
+        """The text cache: every distinct train/test prompt and "" encoded once -> {"tokens", "pooled"} (host numpy);
+        `text_params` are placed on the mesh already (`place`)."""
         rows = [self.train_prompts[i] for i in range(len(self.train_prompts))] + self.test_prompts
         prompts = sorted({r["prompt"] for r in rows} | {""})
         self._row_of = {p: i for i, p in enumerate(prompts)}
@@ -102,9 +109,9 @@ class SD3World:
         for start in tqdm(range(0, len(prompts), batch_size), desc="text cache", leave=False):
             chunk = prompts[start : start + batch_size]
             ids = self.pipe.tokenize(chunk + [""] * (batch_size - len(chunk)))  # one compiled shape
-            t, p = encode(text_params, jnp.asarray(ids))
-            tokens.append(np.asarray(t)[: len(chunk)])
-            pooled.append(np.asarray(p)[: len(chunk)])
+            t, p = encode(text_params, ids)
+            tokens.append(parallel.to_host(t)[: len(chunk)])  # every process's host gets the whole table
+            pooled.append(parallel.to_host(p)[: len(chunk)])
         dtype = jnp.dtype(self.world_cfg.dtype)
         return {"tokens": np.concatenate(tokens).astype(dtype), "pooled": np.concatenate(pooled).astype(dtype)}
 
@@ -193,7 +200,7 @@ class SD3World:
             pad = e.batch_size - len(chunk)  # one compiled shape
             ids = jnp.asarray(self.tokenize(chunk + [{"prompt": ""}] * pad)[0])
             noise = jax.random.normal(jax.random.fold_in(rng, i), self.latent_shape(e.batch_size))
-            out = np.asarray(self._sampler(params, ids, noise))[: len(chunk)]
+            out = parallel.to_host(self._sampler(params, ids, noise))[: len(chunk)]  # gathered: XLA picks the output's sharding
             images.append(out)
             parts.append(self._reward_fn(out, chunk))
         images = np.concatenate(images)
