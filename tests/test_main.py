@@ -67,3 +67,29 @@ def test_missing_required_field_is_named():
     config["inspect"]["batch_size"] = None
     with pytest.raises(config_lib.ConfigError, match="required.*--config.inspect.batch_size"):
         main.run_job(ConfigDict(config), None)
+
+
+def test_a_pod_worker_left_alone_ends_with_one_line_at_its_deadline(tmp_path):
+    """One worker of a 2-host slice started alone: no group forms; at `distributed_timeout_s` one line names the
+    coordinator and the fix (JAX itself would abort with a C++ stack trace), exit code 2."""
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_WORKER_HOSTNAMES": "127.0.0.1,127.0.0.1", "TPU_WORKER_ID": "0",
+           "JAX_COORDINATOR_PORT": str(port)}
+    result = subprocess.run([sys.executable, "-m", "flowrl_jax.main", "--config", "configs/flow_grpo.py", f"--workdir={tmp_path}",
+                             "--config.distributed_timeout_s=3"], capture_output=True, text=True, timeout=120, env=env,
+                            cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+    assert result.returncode == 2 and "Traceback" not in result.stderr and "Check failure" not in result.stderr
+    lines = _error_lines(result.stderr)
+    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "within 3 s" in lines[0], result.stderr
+    assert not os.listdir(tmp_path)  # it stopped before anything was written
+
+
+def test_distributed_switch_that_is_no_boolean_is_one_line():
+    result = _run_cli("--config", "configs/inspect_mmdit.py:tiny", "--config.distributed=maybe")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "config.distributed='maybe'" in _error_lines(result.stderr)[0]

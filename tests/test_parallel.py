@@ -105,3 +105,59 @@ def test_sharded_forward_and_grad_equal_single_device(tiny_model, tiny_params, s
         # <= 1.2e-6. A lost or doubled all-reduce changes a gradient by O(1) (x 2 for a doubled one): >= 500x the bound.
         a, b = np.asarray(a), np.asarray(b)
         np.testing.assert_allclose(a, b, rtol=0, atol=GRAD_TERMS * EPS * float(np.abs(b).max()))
+
+
+# ------------------------------------------------------------------------------------------- multi-host start
+CLUSTER_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES",
+                "TPU_WORKER_ID", "JAX_COORDINATOR_PORT", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "GCE_METADATA_IP")
+
+
+def _fake_pci(root, devices):
+    """A /sys/bus/pci/devices stand-in: (vendor, device) per PCI function."""
+    for i, (vendor, device) in enumerate(devices):
+        d = root / f"0000:00:{i:02x}.0"
+        d.mkdir(parents=True)
+        (d / "vendor").write_text(vendor + "\n")
+        (d / "device").write_text(device + "\n")
+    return str(root)
+
+
+def test_tpu_vm_is_a_tpu_chip_on_the_pci_bus(tmp_path):
+    assert parallel.on_tpu_vm(_fake_pci(tmp_path / "v5p", [("0x1ae0", "0x0042"), ("0x1ae0", "0x0062")]))  # gVNIC + a v5p chip
+    assert not parallel.on_tpu_vm(_fake_pci(tmp_path / "gce", [("0x1ae0", "0x0042"), ("0x10de", "0x2330")]))  # gVNIC + an H100
+    assert not parallel.on_tpu_vm(str(tmp_path / "none"))
+
+
+def test_distributed_plan_multi_host_slices_only(monkeypatch):
+    for var in CLUSTER_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(parallel, "on_tpu_vm", lambda: False)
+    assert parallel.distributed_plan("auto") is None  # a laptop
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.5")
+    assert parallel.distributed_plan("auto") is None  # one host: a v5p-8 or v6e-8 needs no group
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.5,10.0.0.6,10.0.0.7,10.0.0.8")
+    monkeypatch.setenv("TPU_WORKER_ID", "2")
+    # off a TPU VM (the simulated pod): the values JAX's GKE detection derives from this environment, its port 8482
+    assert parallel.distributed_plan("auto") == {"coordinator_address": "10.0.0.5:8482", "num_processes": 4, "process_id": 2}
+    monkeypatch.setenv("JAX_COORDINATOR_PORT", "9999")
+    assert parallel.distributed_plan(True)["coordinator_address"] == "10.0.0.5:9999"
+    monkeypatch.setattr(parallel, "on_tpu_vm", lambda: True)
+    assert parallel.distributed_plan("auto") == {}  # on the TPU VM itself: JAX's own detection, no arguments
+    assert parallel.distributed_plan("False") is None  # the switch off, as a command line spells it
+    monkeypatch.delenv("TPU_WORKER_HOSTNAMES")
+    endpoints = {"worker-network-endpoints": "t1v-n-0:0:10.1.0.2,t1v-n-1:1:10.1.0.3"}  # the metadata server's old format
+    monkeypatch.setattr(parallel, "_metadata", lambda key, timeout_s=5.0: endpoints.get(key))
+    assert parallel.tpu_workers() == ["10.1.0.2", "10.1.0.3"] and parallel.distributed_plan("auto") == {}
+    endpoints["worker-network-endpoints"] = "t1v-n-0:0:10.1.0.2"
+    assert parallel.distributed_plan("auto") is None  # a single-host TPU VM
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1234")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAX_PROCESS_ID", "1")
+    assert parallel.distributed_plan("auto") == {"num_processes": 2, "process_id": 1}  # by hand, any platform
+
+
+def test_distributed_switch_parses_command_line_booleans():
+    assert [parallel.parse_switch(v) for v in ("auto", "True", "true", "1", "yes", "False", "0", "no", True, False)] == \
+        ["auto", True, True, True, True, False, False, False, True, False]
+    with pytest.raises(ValueError, match="choose auto, True or False"):
+        parallel.parse_switch("maybe")
