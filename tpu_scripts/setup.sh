@@ -1,11 +1,31 @@
 #!/usr/bin/env bash
-# Copy this checkout to every worker of the TPU VM and install it there with the TPU build of jax.
+# Copy this checkout to every worker of the TPU VM and install it there in a uv venv (~/flowrl_jax/.venv, Python 3.11).
 #   TPU_NAME=flowrl ZONE=us-central2-b bash tpu_scripts/setup.sh
+# JAX_PACKAGE is the jax requirement installed next to requirements.txt (default the TPU build, "jax[tpu]>=0.8,<0.13";
+# the simulated pod passes plain "jax>=0.8,<0.13"). The TPU images' python3 is 3.10 and flowrl_jax needs >= 3.11: uv
+# (installed per worker with `python3 -m pip install --user uv`) makes the venv and brings a 3.11 interpreter when the
+# image has none. Running it again updates the code and the packages; the venv is kept.
 set -euo pipefail
-: "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}"
+: "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}" "${JAX_PACKAGE:=jax[tpu]>=0.8,<0.13}"
 cd "$(dirname "$0")/.."
+
+# scp copies into ~/flowrl_jax/ only once that folder exists on the worker.
+gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --worker=all --command="mkdir -p ~/flowrl_jax"
 gcloud compute tpus tpu-vm scp --recurse --zone="$ZONE" --worker=all \
   flowrl_jax configs requirements.txt pyproject.toml README.md "$TPU_NAME":~/flowrl_jax/
-gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --worker=all --command="
-  cd ~/flowrl_jax && python3 -m pip install -q -r requirements.txt 'jax[tpu]>=0.8,<0.13' gcsfs google-cloud-storage && python3 -m pip install -q --no-deps -e . &&
-  python3 -c 'import jax; print(jax.process_index(), jax.local_device_count(), jax.device_count())'"
+
+remote="JAX_PACKAGE=$(printf '%q' "$JAX_PACKAGE")
+$(cat <<'REMOTE'
+set -euo pipefail
+cd ~/flowrl_jax
+if ! python3 -m uv --version >/dev/null 2>&1; then
+  # Ubuntu 22.04's pip takes --user as is; an externally managed Python (PEP 668) also needs --break-system-packages.
+  python3 -m pip install --user -q uv 2>/dev/null || python3 -m pip install --user -q --break-system-packages uv
+fi
+[ -x .venv/bin/python ] || python3 -m uv venv --python 3.11 .venv
+python3 -m uv pip install --python .venv/bin/python -r requirements.txt "$JAX_PACKAGE" gcsfs google-cloud-storage
+python3 -m uv pip install --python .venv/bin/python --no-deps -e .
+.venv/bin/python -c 'import sys, jax, flowrl_jax; print("python", sys.version.split()[0], "jax", jax.__version__, jax.default_backend(), jax.local_device_count(), "local devices")'
+REMOTE
+)"
+gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --worker=all --command="$remote"
