@@ -12,7 +12,8 @@ In a temporary root (the stand-in's GCLOUD_STANDIN_ROOT), with the stand-in firs
           first time; uv's cache is kept in ~/.cache/flowrl_simulated_pod across runs). By default the packages are
           pinned (UV_CONSTRAINT) to this machine's venv (`pip freeze`), the versions the tests ran with; --no-pin
           resolves afresh.
-  train   train.sh with a tiny flow_grpo config (4 iterations, a checkpoint every iteration, mesh data x fsdp=2);
+  train   train.sh with a tiny flow_grpo config (4 iterations, a checkpoint every iteration, mesh data x fsdp=2, a
+          closing eval of 24 prompts);
           the workdir is one local folder shared by the workers (the stand-in for a gs:// bucket)
   step1   wait until step 1's checkpoint exists
   stop    stop.sh: SIGTERM to each worker's job; both must exit 0, each saying it saved the same step
@@ -46,7 +47,9 @@ ITERATIONS = 4
 EXTRA = ("--config.sampler.num_steps=3 --config.train.iterations=4 --config.train.prompts_per_iteration=2 "
          "--config.train.group_size=4 --config.train.minibatches=2 --config.eval.at_start=False --config.eval.every=0 "
          "--config.checkpoint.every=1 --config.train.lora_rank=0 --config.sampler.sde_window=() "
-         "--config.diagnostics.image_change_every=0 --config.min_fsdp_size=64")
+         "--config.diagnostics.image_change_every=0 --config.min_fsdp_size=64 "
+         # the run's closing eval, small (the 420 test prompts x ODE 20 steps take minutes on 2 cores)
+         "--config.eval.per_category=4 --config.eval.batch_size=24 --config.eval.num_steps=4")
 # Passed as arguments after the script's own (the README's quoted form), and relative to the jobs' folder
 # ~/flowrl_jax: ../data/prompts is each worker's own staged copy (the simulated workers' homes differ).
 ARGS = ["--config.mesh=(('data',-1),('fsdp',2))", "--config.world.train_prompts=../data/prompts"]
