@@ -224,3 +224,43 @@ def test_decoding_in_row_chunks_equals_decoding_at_once(sd3, tmp_path):
     # the same float32 decoder on the same rows, batch 8 (one row per device) vs 32: a matmul's sums may be blocked
     # otherwise (K <= 9 x 64 terms, <= 576 eps ~ 7e-5 relative at worst); a row out of place is O(1)
     assert chunked.shape == whole.shape == (32, RESOLUTION, RESOLUTION, 3) and _rel_err(chunked, whole) < 1e-4
+
+
+def test_loading_places_every_weight_shard_by_shard(sd3, tmp_path, monkeypatch):
+    """The pipeline's weights are read into host memory (numpy, in `world.param_dtype`: bf16 frozen weights here) and
+    placed by the partition rules with each device given only its own pieces: no device ever holds a whole tensor
+    that the rules shard. Checked on the arrays' shardings: every piece handed to a device, and every live array."""
+    folder, _ = sd3
+    config = _config(folder, _prompt_dataset(tmp_path), **{"min_fsdp_size": 64, "world.param_dtype": "bfloat16",
+                                                           "world.text_cache": True})  # the cache encodes on placed encoders
+    pieces, make = [], jax.make_array_from_callback
+
+    def recording(shape, sharding, callback, *args, **kwargs):  # parallel.put_global's only way onto a device
+        def piece(index):
+            data = callback(index)
+            pieces.append((tuple(shape), np.shape(data), sharding.is_fully_replicated))
+            return data
+        return make(shape, sharding, piece, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "make_array_from_callback", recording)
+    world = SD3World(config)
+    _, host = world.load()
+    assert all(isinstance(a, np.ndarray) for a in jax.tree_util.tree_leaves(host))  # host memory, no device yet
+    assert {a.dtype for a in jax.tree_util.tree_leaves((host["dit"], host["vae"]))} == {np.dtype(jnp.bfloat16)}
+    mesh = parallel.make_mesh(config.mesh)
+    shardings = parallel.tree_shardings(host, mesh, config.partition_rules, config.min_fsdp_size)
+    placed = parallel.put_global(host, shardings)  # as steps.Steps places the frozen tree
+    sharded = [(a, s) for a, s in zip(jax.tree_util.tree_leaves(placed), jax.tree_util.tree_leaves(shardings)) if not s.is_fully_replicated]
+    assert len(sharded) >= 20  # the DiT's and the VAE's kernels at min_fsdp_size 64
+    for a, s in sharded:
+        assert a.sharding == s and len(a.addressable_shards) == 8
+        assert all(x.data.shape == s.shard_shape(a.shape) and x.data.size * 8 == a.size for x in a.addressable_shards)
+    # every piece any device was given during loading (the text encoders for the cache included) is whole only if replicated
+    assert pieces and all(p != full or replicated for full, p, replicated in pieces)
+    assert sum(p != full for full, p, _ in pieces) >= 8 * len(sharded)
+    # no whole copy of a sharded tensor alive on one device (a piece of a placed array may have the same shape: excluded)
+    whole = {a.shape for a, _ in sharded}
+    pieces_held = {x.data.unsafe_buffer_pointer() for a in jax.tree_util.tree_leaves(placed) for x in a.addressable_shards}
+    strays = [x for x in jax.live_arrays() if x.shape in whole and len(x.sharding.device_set) == 1
+              and x.unsafe_buffer_pointer() not in pieces_held]
+    assert not strays, [(x.shape, x.sharding) for x in strays[:3]]
