@@ -20,7 +20,8 @@ set -euo pipefail
 cd ~/flowrl_jax
 if ! python3 -m uv --version >/dev/null 2>&1; then
   # Ubuntu 22.04's pip takes --user as is; an externally managed Python (PEP 668) also needs --break-system-packages.
-  python3 -m pip install --user -q uv 2>/dev/null || python3 -m pip install --user -q --break-system-packages uv
+  python3 -m pip install --user -q uv 2>/dev/null || python3 -m pip install --user -q --break-system-packages uv ||
+    { echo "could not install uv with python3 -m pip (no pip? sudo apt-get install -y python3-pip)" >&2; exit 1; }
 fi
 [ -x .venv/bin/python ] || python3 -m uv venv --python 3.11 .venv
 python3 -m uv pip install --python .venv/bin/python -r requirements.txt "$JAX_PACKAGE" gcsfs google-cloud-storage
