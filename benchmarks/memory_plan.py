@@ -2,13 +2,14 @@
 compiled rollout, decode and update on a simulated mesh of each target, from abstract params (no weights), a hand
 estimate beside it, and the largest number of prompts per iteration (groups of 24) that fits.
 
-    python benchmarks/memory_plan.py [--targets v5p-8,v6e-8,gpu] [--out benchmarks/results/memory_plan.json]
+    python benchmarks/memory_plan.py [--targets v5p-8,v6e-8,gpu,v5p-64,v6e-64] [--out benchmarks/results/memory_plan.json]
+    python benchmarks/memory_plan.py --traffic      # the frozen DiT replicated or FSDP'd: memory and all-gathers, by hand
 
 Each target's plan is `config_lib.MEMORY_PLANS[target]` (mesh, rows sampled/decoded at a time, pairs per
 forward/backward, remat) applied to `config_lib.sd35m_train_config()`: bf16 compute with float32 params and
 log-probs, LoRA rank 32, the DiT and the three text encoders FSDP-sharded over every device. The functions are the
 train job's own (`steps.make_rollout_fn`, `make_update_fn`, `SD3World.decode_rows`), jitted with the job's shardings,
-lowered on `jax.ShapeDtypeStruct`s and compiled by XLA:CPU for the target's device count (8 simulated CPU devices;
+lowered on `jax.ShapeDtypeStruct`s and compiled by XLA:CPU for the target's device count (up to 64 simulated CPU devices;
 a GPU target is one). A phase's peak per device = what stays alive (the frozen weights and the whole train state,
 per-device shards) + the stored rollout (from the rollout to the end of the update) + the phase's XLA temp buffers
 and new outputs (`memory_analysis`); `all_gathered` sums the all-gathers' results (FSDP weights brought to each
@@ -23,7 +24,7 @@ from __future__ import annotations
 import os
 
 if __name__ == "__main__":  # the simulated meshes: 8 CPU devices, set before jax starts (not when imported by another script)
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=64").strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
@@ -203,13 +204,54 @@ def largest_prompts(low: dict, memory_gb: float, chunk: int, group: int) -> int:
     return max(n, 0)
 
 
+def frozen_dit_traffic(target: str, prompts: int) -> dict:
+    """The frozen base DiT replicated or FSDP'd on `target`'s plan, by hand: bytes per device either way, and the
+    bytes each device all-gathers per iteration when it is FSDP'd. Every DiT call gathers the weights it lacks,
+    (f - 1) / f of them on an fsdp axis of f: the rollout calls it once per step and chunk (CFG's two branches in one
+    call), the update three times per microbatch (the policy's forward, its backward (remat recomputes the forward
+    there, and dx needs the weights), the KL reference's forward). An upper bound: XLA may keep gathered weights
+    alive across calls (the CPU compile's `all_gathered` counts each gather once, not per loop trip)."""
+    config, plan = target_config(target, prompts)
+    mesh = dict(config.mesh)
+    fsdp = mesh["fsdp"] if mesh["fsdp"] != -1 else plan["devices"] // mesh.get("data", 1)
+    pipe, init = build_pipeline(SD35_MEDIUM, param_dtype=jnp.dtype(config.world.param_dtype))
+    dit_bytes = _bytes(jax.eval_shape(init, jax.random.PRNGKey(0))["dit"])
+    t, s = config.train, config.sampler
+    batch = prompts * t.group_size
+    slots = int(np.sum(np.asarray(sampler_levels(s)) > 0))
+    pairs = minibatch_pairs(t, slots)
+    calls = {"rollout": (batch // (t.rollout_chunk or batch)) * s.num_steps,
+             "update": 3 * t.minibatches * (pairs // (t.microbatch or pairs))}
+    gathered = sum(calls.values()) * dit_bytes * (fsdp - 1) / fsdp
+    return {"fsdp": fsdp, "dit_bytes": dit_bytes, "dtype": config.world.param_dtype, "per_device": {"replicate": dit_bytes,
+            "fsdp": dit_bytes / fsdp}, "calls": calls, "gathered_per_iteration": {"replicate": 0.0, "fsdp": gathered},
+            "memory_share": {"replicate": dit_bytes / (plan["memory_gb"] * GB), "fsdp": dit_bytes / fsdp / (plan["memory_gb"] * GB)},
+            "chosen": plan.get("frozen_dit", "fsdp")}
+
+
+def print_traffic(prompts: int) -> dict:
+    out = {target: frozen_dit_traffic(target, prompts) for target in config_lib.MEMORY_PLANS}
+    print(f"the frozen SD3.5-M DiT per device, replicated or FSDP'd, at {prompts} prompts x 24 (hand count, GB):")
+    print(f"{'target':8s} {'fsdp':>4s} {'dtype':>8s} {'replicated':>10s} {'FSDP':>6s} {'DiT calls':>9s} {'gathered/iter':>13s}  chosen")
+    for target, r in out.items():
+        print(f"{target:8s} {r['fsdp']:4d} {r['dtype']:>8s} {r['per_device']['replicate'] / GB:10.2f} {r['per_device']['fsdp'] / GB:6.2f} "
+              f"{sum(r['calls'].values()):9d} {r['gathered_per_iteration']['fsdp'] / GB:13.0f}  {r['chosen']}")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default=",".join(config_lib.MEMORY_PLANS))
     parser.add_argument("--check", action="store_true", help="also compile at the largest batch found (another compile per target)")
     parser.add_argument("--out", default="benchmarks/results/memory_plan.json")
+    parser.add_argument("--traffic", action="store_true", help="only the frozen DiT's replicate-or-FSDP table (no compiling)")
     args = parser.parse_args()
     base = config_lib.sd35m_train_config().train
+    if args.traffic:
+        traffic = print_traffic(base.prompts_per_iteration)
+        with open(os.path.join(os.path.dirname(args.out) or ".", "frozen_dit_traffic.json"), "w") as f:
+            json.dump(traffic, f, indent=2)
+        return
     results = {}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     if os.path.isfile(args.out):  # targets measured before are kept (each takes minutes of compiling on 2 cores)

@@ -9,7 +9,7 @@
 The GenEval reward needs an object detector that is not in this library yet (README "Real models"): until a
 GenEval reward is registered (`rewards.REWARDS`, local or behind a server), `--config.train.rewards` picks
 what to optimise; the default is the model-free JPEG compressibility, so the preset runs end to end.
-The argument picks the memory plan of the hardware (`config_lib.MEMORY_PLANS`: v5p-8 (default), v6e-8, gpu;
+The argument picks the memory plan of the hardware (`config_lib.MEMORY_PLANS`: v5p-8 (default), v6e-8, gpu, v5p-64, v6e-64;
 README "Memory plan").
 """
 from flowrl_jax import config_lib

@@ -8,7 +8,7 @@
 
 PickScore (a CLIP-H preference model) is not in this library yet; the default reward is the model-free
 JPEG compressibility (`--config.train.rewards` to change it).
-The argument picks the memory plan of the hardware (`config_lib.MEMORY_PLANS`: v5p-8 (default), v6e-8, gpu;
+The argument picks the memory plan of the hardware (`config_lib.MEMORY_PLANS`: v5p-8 (default), v6e-8, gpu, v5p-64, v6e-64;
 README "Memory plan").
 """
 from flowrl_jax import config_lib

@@ -107,7 +107,7 @@ def sd35m_train_config(rewards=(("jpeg_compressibility", 1.0),), beta: float = 0
     (SDE noise level 0.7; steps 0-8 trained, upstream's timestep_fraction 0.99) and 40 eval steps, CFG 4.5,
     shift 3, LoRA rank 32 / alpha 64 at lr 3e-4, clip 1e-4, KL beta per task, bf16 compute with float32
     params. The pipeline folder and the prompt datasets come from the command line (`config.world`). `plan`: the
-    memory plan of the hardware (`MEMORY_PLANS`: v5p-8, v6e-8, gpu), chosen in the config file's argument."""
+    memory plan of the hardware (`MEMORY_PLANS`: v5p-8, v6e-8, gpu, v5p-64, v6e-64), chosen in the config file's argument."""
     cfg = train_config()
     cfg.world = worlds.config_fields("sd3")
     cfg.world.update(resolution=512, t5_max_length=128, dtype="bfloat16")  # flow_grpo: max_sequence_length 128
@@ -118,28 +118,41 @@ def sd35m_train_config(rewards=(("jpeg_compressibility", 1.0),), beta: float = 0
     cfg.eval.update(every=50, at_start=True, samples_per_prompt=1, batch_size=16, num_steps=40, cfg=4.5, shift=3.0,
                     learned_reward=False, noise_seed=1)
     cfg.checkpoint.update(every=20, keep=3)
-    cfg.partition_rules = ((r"(kernel|embedding)$", "fsdp"), (r".*", "replicate"))  # the DiT, CLIPs and T5-XXL sharded
-    return apply_memory_plan(cfg, plan)  # FSDP over every device, chunk sizes, remat
+    return apply_memory_plan(cfg, plan)  # the mesh, the sharding of the frozen DiT, chunk sizes, remat
 
 
 # The memory plan of `sd35m_train_config()` per target (`benchmarks/memory_plan.py` measures each; README "Memory plan"):
-# devices and memory per device (vendor figures, GB), and the knobs: rows sampled and decoded at a time
-# (`train.rollout_chunk`, global), pairs per forward/backward (`train.microbatch`, global), remat per MMDiT block.
+# devices and memory per device (vendor figures, GB), the mesh (data x fsdp; default FSDP over every device), the knobs:
+# rows sampled and decoded at a time (`train.rollout_chunk`, global), pairs per forward/backward (`train.microbatch`,
+# global; both multiples of the mesh's batch shards, the chunk a divisor of flow_grpo's 48 x 24 rows), remat per MMDiT
+# block, the frozen weights' dtype, and `frozen_dit`: the frozen base DiT (LoRA trains adapters only) "fsdp" (sharded,
+# all-gathered at every DiT call) or "replicate" (a whole copy per device, no all-gather): chosen per plan from the
+# memory and traffic table of `benchmarks/memory_plan.py --traffic` (README "Memory plan").
 MEMORY_PLANS = {
-    "v5p-8": dict(devices=4, memory_gb=95, rollout_chunk=32, microbatch=16, remat=True),
-    "v6e-8": dict(devices=8, memory_gb=32, rollout_chunk=16, microbatch=8, remat=True),
+    "v5p-8": dict(devices=4, memory_gb=95, rollout_chunk=32, microbatch=16, remat=True, frozen_dit="replicate"),
+    # frozen weights in bf16 so that the whole DiT (4.5 GB, 14% of a chip) replaces 36 TB of all-gathers per iteration
+    "v6e-8": dict(devices=8, memory_gb=32, rollout_chunk=16, microbatch=8, remat=True, param_dtype="bfloat16", frozen_dit="replicate"),
     # one H100 (an H200: 141 GB); frozen weights in bf16 (as flow_grpo loads them for LoRA): float32 they and their
     # bf16 copies leave no room for the 48-prompt batch (benchmarks/results/memory_plan.json, WORKSPACE_NOTES.md)
     "gpu": dict(devices=1, memory_gb=80, also_gb=(141,), rollout_chunk=8, microbatch=4, remat=True, param_dtype="bfloat16"),
+    # pods: 8 hosts x 4 chips; 36 rows per chip: 9 rows per chunk (4 chunks), 3 pairs per microbatch (54 per minibatch)
+    "v5p-64": dict(devices=32, memory_gb=95, mesh=(("data", 8), ("fsdp", 4)), rollout_chunk=288, microbatch=96, remat=True,
+                   frozen_dit="replicate"),
+    # 16 hosts x 4 chips; 18 rows per chip: 2 rows per chunk (9 chunks), 1 pair per microbatch (81 per minibatch)
+    "v6e-64": dict(devices=64, memory_gb=32, mesh=(("data", 8), ("fsdp", 8)), rollout_chunk=128, microbatch=64, remat=True,
+                   param_dtype="bfloat16", frozen_dit="replicate"),
 }
+SD35M_RULES = ((r"(kernel|embedding)$", "fsdp"), (r".*", "replicate"))  # the DiT, CLIPs and T5-XXL sharded
+FROZEN_DIT_RULES = {"fsdp": (), "replicate": ((r"^dit/", "replicate"),)}  # "dit/..." is the frozen tree's DiT only
 
 
 def apply_memory_plan(config: ConfigDict, target: str) -> ConfigDict:
-    """Set `config`'s memory knobs to `MEMORY_PLANS[target]` (FSDP over every device, chunk sizes, remat)."""
+    """Set `config`'s memory knobs to `MEMORY_PLANS[target]` (mesh, partition rules, chunk sizes, remat, dtype)."""
     if target not in MEMORY_PLANS:
         raise ConfigError(f"unknown memory plan {target!r}: choose one of {', '.join(MEMORY_PLANS)} (configs/sd35m_*.py:<plan>)")
     plan = MEMORY_PLANS[target]
-    config.mesh = (("data", 1), ("fsdp", -1))
+    config.mesh = plan.get("mesh", (("data", 1), ("fsdp", -1)))
+    config.partition_rules = FROZEN_DIT_RULES[plan.get("frozen_dit", "fsdp")] + SD35M_RULES
     config.train.update(rollout_chunk=plan["rollout_chunk"], microbatch=plan["microbatch"])
     config.world.remat = plan["remat"]
     config.world.param_dtype = plan.get("param_dtype", "float32")  # the frozen weights' (LoRA adapters stay float32)
