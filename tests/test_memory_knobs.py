@@ -1,14 +1,17 @@
 """The memory plan's knobs (steps.py): the rollout sampled in row chunks (`train.rollout_chunk`) and the update's
 gradient accumulated over microbatches (`train.microbatch`), on the 8-device mesh, against the same computation
 without them."""
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from jax.scipy.stats import norm
+from jax.sharding import PartitionSpec as P
 
-from flowrl_jax import credit as credit_lib, parallel, worlds
+from flowrl_jax import config_lib, credit as credit_lib, parallel, worlds
 from flowrl_jax.steps import Steps, make_update_fn, minibatches
 from tests.conftest import load_config
 
@@ -119,3 +122,25 @@ def test_microbatched_update_has_the_whole_minibatch_gradient(smoke_base):
     np.testing.assert_allclose(g1, g0, rtol=0, atol=1e-3 * scale)  # K eps sum|terms|, derived above
     for key in ("loss", "policy_loss", "kl", "clipfrac", "approx_kl"):
         np.testing.assert_allclose(s1[key], s0[key], rtol=1e-4, atol=1e-7, err_msg=key)  # the same weighted means, reassociated
+
+
+@pytest.mark.parametrize("target", list(config_lib.MEMORY_PLANS))
+def test_every_memory_plan_divides_its_batch_shards(target):
+    """What the train job's setup would refuse on the pod itself: each plan's mesh fills its devices, the chunk and the
+    microbatch are whole numbers of batch shards, the chunk divides flow_grpo's 48 x 24 rows; the frozen DiT's rule
+    matches the frozen tree's DiT alone (paths 'dit/...'), not a trainable DiT's state or the text encoders."""
+    config = config_lib.sd35m_train_config(plan=target)
+    plan, t = config_lib.MEMORY_PLANS[target], config.train
+    # the device count is the plan's, not this machine's: the mesh is checked by arithmetic
+    sizes = dict(config.mesh)
+    filled = [s for s in sizes.values() if s != -1]
+    shards = plan["devices"] if -1 in sizes.values() else int(np.prod(filled))
+    assert plan["devices"] % int(np.prod(filled)) == 0 and shards == plan["devices"]
+    rows = t.prompts_per_iteration * t.group_size
+    assert t.rollout_chunk % shards == 0 and rows % t.rollout_chunk == 0, (t.rollout_chunk, shards, rows)
+    assert t.microbatch % shards == 0, (t.microbatch, shards)
+    replicated = plan.get("frozen_dit", "fsdp") == "replicate"
+    for path, frozen_dit in (("dit/transformer_blocks_0/attn/to_q/kernel", True), ("params/transformer_blocks_0/attn/to_q/kernel", False),
+                             ("text/t5/block_0/layer_0/SelfAttention/q/kernel", False)):
+        spec = parallel.spec_for(path, (1536, 1536), SimpleNamespace(shape={"fsdp": 4}), config.partition_rules, config.min_fsdp_size)
+        assert (spec == P()) == (replicated and frozen_dit), (path, spec)
