@@ -130,17 +130,20 @@ def sd35m_train_config(rewards=(("jpeg_compressibility", 1.0),), beta: float = 0
 # memory and traffic table of `benchmarks/memory_plan.py --traffic` (README "Memory plan").
 MEMORY_PLANS = {
     "v5p-8": dict(devices=4, memory_gb=95, rollout_chunk=32, microbatch=16, remat=True, frozen_dit="replicate"),
-    # frozen weights in bf16 so that the whole DiT (4.5 GB, 14% of a chip) replaces 36 TB of all-gathers per iteration
-    "v6e-8": dict(devices=8, memory_gb=32, rollout_chunk=16, microbatch=8, remat=True, param_dtype="bfloat16", frozen_dit="replicate"),
+    # 32 GB chips keep the frozen DiT FSDP'd: replicated (bf16) the v6e-8 peak is 25.5 GB instead of 17.4, the largest
+    # batch 110 prompts instead of 268; the v6e-64 rollout 37.3 GB, past the chip (benchmarks/results/memory_plan.json)
+    "v6e-8": dict(devices=8, memory_gb=32, rollout_chunk=16, microbatch=8, remat=True),
     # one H100 (an H200: 141 GB); frozen weights in bf16 (as flow_grpo loads them for LoRA): float32 they and their
     # bf16 copies leave no room for the 48-prompt batch (benchmarks/results/memory_plan.json, WORKSPACE_NOTES.md)
     "gpu": dict(devices=1, memory_gb=80, also_gb=(141,), rollout_chunk=8, microbatch=4, remat=True, param_dtype="bfloat16"),
+    # 95 GB chips replicate it: +10.6 GB per chip on v5p-8 (peak 37.6 GB, largest batch 508 prompts instead of 568) for
+    # none of the all-gathers (`memory_plan.py --traffic`: up to 15.5 TB per chip per iteration on v5p-8, 2.5 TB on v5p-64)
     # pods: 8 hosts x 4 chips; 36 rows per chip: 9 rows per chunk (4 chunks), 3 pairs per microbatch (54 per minibatch)
     "v5p-64": dict(devices=32, memory_gb=95, mesh=(("data", 8), ("fsdp", 4)), rollout_chunk=288, microbatch=96, remat=True,
                    frozen_dit="replicate"),
     # 16 hosts x 4 chips; 18 rows per chip: 2 rows per chunk (9 chunks), 1 pair per microbatch (81 per minibatch)
     "v6e-64": dict(devices=64, memory_gb=32, mesh=(("data", 8), ("fsdp", 8)), rollout_chunk=128, microbatch=64, remat=True,
-                   param_dtype="bfloat16", frozen_dit="replicate"),
+                   param_dtype="bfloat16", frozen_dit="fsdp"),
 }
 SD35M_RULES = ((r"(kernel|embedding)$", "fsdp"), (r".*", "replicate"))  # the DiT, CLIPs and T5-XXL sharded
 FROZEN_DIT_RULES = {"fsdp": (), "replicate": ((r"^dit/", "replicate"),)}  # "dit/..." is the frozen tree's DiT only
