@@ -30,6 +30,7 @@ import tensorstore as ts
 from flowrl_jax import parallel, paths
 
 DAMAGED_SUFFIX = ".damaged"
+DECISION_SLOTS = 64  # the restore choice process 0 broadcasts: the step and up to 63 damaged ones it set aside
 
 
 class CheckpointError(ValueError):
@@ -141,9 +142,11 @@ class Checkpointer:
                 skipped.append((step, reason))
             if chosen >= 0:
                 skipped = [(s, f"{r}; moved to {self._set_aside(s)}") for s, r in skipped]
-        decision = np.full(len(steps) + 1, -1, np.int64)  # [chosen, skipped steps..., -1 padding]: one broadcast
+        # [chosen, skipped steps..., -1 padding], one broadcast of a fixed size (a bucket's listing may differ by host)
+        decision = np.full(DECISION_SLOTS, -1, np.int64)
         decision[0] = chosen
-        decision[1 : 1 + len(skipped)] = [s for s, _ in skipped]
+        listed = [s for s, _ in skipped][: DECISION_SLOTS - 1]
+        decision[1 : 1 + len(listed)] = listed
         decision = parallel.from_process_0(decision)
         parallel.barrier("flowrl_checkpoint_chosen")  # the renames are done before anyone lists the folder again
         chosen = int(decision[0])

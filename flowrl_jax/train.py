@@ -289,7 +289,7 @@ def after_iteration(job: Job, state: TrainState, done: int, stop: StopSignal) ->
     agreed = parallel.agree({"signal": stop.requested is not None, "out_of_time": bool(t_cfg.time_budget_s) and
                              history["wall_s"] - history["first_iteration_s"] >= t_cfg.time_budget_s})
     out_of_time = agreed["out_of_time"]
-    signalled = (stop.requested or "SIGTERM (to another process)") if agreed["signal"] else None
+    signalled = (stop.requested or "a stop signal to another process") if agreed["signal"] else None
     if itstime(done, job.config.eval.every, t_cfg.iterations, last=out_of_time):
         run_eval(job, state, done)
     if itstime(done, job.config.checkpoint.every, t_cfg.iterations, last=out_of_time or bool(signalled)):
