@@ -7,10 +7,9 @@
 # to ~/flowrl_run.log on each worker; the script fails if the job fails on any worker.
 set -euo pipefail
 : "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}" "${CONFIG:?set CONFIG}" "${WORKDIR:=/tmp/flowrl_run}"
-extra=()
-[[ -z "${EXTRA:-}" ]] || read -r -d '' -a extra <<< "$EXTRA" || true
-args=(--config "$CONFIG" --workdir "$WORKDIR" "${extra[@]}" "$@")
-quoted=$(printf '%q ' "${args[@]}")
+# shellcheck source=tpu_scripts/job_args.sh source-path=SCRIPTDIR
+source "$(dirname "$0")/job_args.sh"
+quoted=$(quoted_job_args "$CONFIG" "$WORKDIR" "$@")
 echo "launch.sh: python -m flowrl_jax.main $quoted"
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --worker=all --command="set -o pipefail
 cd ~/flowrl_jax && PYTHONUNBUFFERED=1 ~/flowrl_jax/.venv/bin/python -m flowrl_jax.main $quoted 2>&1 | tee -a ~/flowrl_run.log"

@@ -18,10 +18,9 @@
 # checkpoint at the end of its iteration and exit. Resuming is running this script again with the same WORKDIR.
 set -euo pipefail
 : "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}" "${CONFIG:?set CONFIG}" "${WORKDIR:?set WORKDIR (gs://bucket/...)}"
-extra=()
-[[ -z "${EXTRA:-}" ]] || read -r -d '' -a extra <<< "$EXTRA" || true
-args=(--config "$CONFIG" --workdir "$WORKDIR" "${extra[@]}" "$@")
-quoted=$(printf '%q ' "${args[@]}")
+# shellcheck source=tpu_scripts/job_args.sh source-path=SCRIPTDIR
+source "$(dirname "$0")/job_args.sh"
+quoted=$(quoted_job_args "$CONFIG" "$WORKDIR" "$@")
 echo "train.sh: python -m flowrl_jax.main $quoted"
 
 remote="args=($quoted)
