@@ -86,7 +86,7 @@ def validate(config):
         options = objectives.resolve_options(config, patch_size=None)
         objective.check(options, s)
         credit = credit_lib.build(config.credit.names, config.credit, config.advantage.global_std, config.advantage.clip)
-        rewards.check(config.train.rewards)
+        rewards.check(config.train.rewards, config.world.get("reward_models"))  # the device rewards' folders, before compiling
         sampler_levels(s)
         world = worlds.build(config)
     except (ValueError, FileNotFoundError) as e:
@@ -199,10 +199,10 @@ def rollout(job: Job, state: TrainState, batch: dict, it: int):
 
 
 def score(job: Job, ro, batch: dict, it: int) -> dict:
-    """Rewards of this process's decoded samples (host), gathered into global arrays with the group ids
-    (`reward` and `parts`: every process's rows on the host, for the logs). A non-finite reward anywhere stops the
+    """Rewards of this process's decoded samples (device rewards on the device, host rewards on the host), gathered into
+    global arrays with the group ids (`reward` and `parts`: every process's rows on the host, for the logs). A non-finite reward anywhere stops the
     run on every process at once: the test reads the gathered rewards, the same values on every host."""
-    images = parallel.local_rows(job.world.decode(job.steps.frozen, ro.final))
+    images = job.world.decode(job.steps.frozen, ro.final)  # on the device: device rewards score it there, host ones read local rows
     reward, parts = job.reward_fn(images, batch["prompts_local"])
     rewards = parallel.global_from_local(reward, job.mesh)
     every = {n: parallel.to_host(parallel.global_from_local(v, job.mesh)) for n, v in parts.items()}  # all processes' rows, for logs

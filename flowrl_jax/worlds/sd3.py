@@ -29,6 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from flowrl_jax import metrics, parallel, rewards
+from flowrl_jax.rewards import device
 from flowrl_jax.data import datasets
 from flowrl_jax.models.sd3 import load_sd3_pipeline
 
@@ -43,6 +44,7 @@ DEFAULTS = {
     "dtype": "float32",      # compute dtype of every component ("bfloat16" on TPU / GPU)
     "param_dtype": "float32",
     "remat": False,          # rematerialize each MMDiT block in the backward pass (the memory plan, README)
+    "reward_models": dict(device.FOLDERS),  # the device rewards' weights (pickscore, clipscore, aesthetic): rewards/device.py
 }
 
 
@@ -86,6 +88,7 @@ class SD3World:
         self.pipe, params = load_sd3_pipeline(w.pipeline, dtype=jnp.dtype(w.dtype), param_dtype=jnp.dtype(w.param_dtype),
                                               clip_max_length=w.clip_max_length, t5_max_length=w.t5_max_length, remat=w.remat)
         self.latent_shape(1)  # the resolution fits the VAE and the patch size (ValueError otherwise)
+        self._vae = params["vae"]  # host; the latent reward model decodes with it (`reward_model`)
         self._rows = parallel.batch_sharding(parallel.make_mesh(self.config.mesh))
         self._decode = jax.jit(self.decode_rows)  # called on the host's rollouts too (score): one program, not op by op
         if w.text_cache:
@@ -172,11 +175,31 @@ class SD3World:
 
     # ---------------------------------------------------------------------------------------- rewards
     def reward_fn(self, weighted):
-        return rewards.build(weighted)
+        return rewards.build(weighted, self.world_cfg.reward_models)
 
     def reward_model(self):
-        raise ValueError("the sd3 world has no differentiable reward model yet: spatial credit and LeapAlign need one; "
-                         "use an objective and credit that take rewards only (grpo, nft, advantage_flow)")
+        """The latent world's differentiable reward: `train.rewards`' weighted sum of device rewards on the VAE's decode,
+        `apply(params, latents [B, h, w, C], ids, mask) -> [B]` (params {"vae", "rewards"}; each reward's token ids
+        side by side in `ids`). Spatial credit and LeapAlign differentiate it; a host reward in the sum is an error."""
+        weighted = [(str(n), float(w)) for n, w in self.rewards]
+        host = [n for n, _ in weighted if n not in device.FACTORIES]
+        if host:
+            raise ValueError(f"spatial credit and LeapAlign differentiate the reward, and {host} run on the host: in the sd3 "
+                             f"world set --config.train.rewards to device rewards only ({', '.join(sorted(device.FACTORIES))})")
+        built = rewards.build_device(weighted, self.world_cfg.reward_models)
+        widths = [built[n].tokenize([{"prompt": ""}]).shape[1] for n, _ in weighted]
+        starts = np.cumsum([0] + widths)
+
+        def apply(p, latents, ids, mask):
+            images = self.pipe.decode(p["vae"], latents)
+            return sum(w * built[n].apply(p["rewards"][n], images, ids[:, a:b])
+                       for (n, w), a, b in zip(weighted, starts[:-1], starts[1:]))
+
+        def tokenize(rows):
+            ids = np.concatenate([np.asarray(built[n].tokenize(rows)) for n, _ in weighted], axis=1).astype(np.int32)
+            return ids, np.ones(ids.shape, bool)
+
+        return apply, {"vae": self._vae, "rewards": {n: r.params for n, r in built.items()}}, tokenize
 
     def evaluate(self, dit_params, frozen, step: int, workdir: str) -> dict:
         """The train rewards of ODE samples (CFG, eval.num_steps) on the test prompts; writes eval_<step>.png."""
@@ -190,7 +213,7 @@ class SD3World:
                 return self.pipe.decode(p["vae"], self.pipe.sample_from(p["dit"], cond, null, noise, e.num_steps, e.cfg, shift))
 
             self._sampler = jax.jit(sample)
-            self._reward_fn = rewards.build(self.rewards)
+            self._reward_fn = rewards.build(self.rewards, self.world_cfg.reward_models)
         params = {"dit": dit_params, "text": frozen["text"], "vae": frozen["vae"]}
         rows = [p for p in self.test_prompts for _ in range(e.samples_per_prompt)]
         rng = jax.random.PRNGKey(e.noise_seed)  # the same noise at every eval

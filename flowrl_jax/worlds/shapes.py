@@ -19,9 +19,10 @@ import numpy as np
 
 from flowrl_jax import assets, evaluate, rewards
 from flowrl_jax.data import datasets, shapes
-from flowrl_jax.rewards import learned
+from flowrl_jax.rewards import device, learned
 
-DEFAULTS = {"base": "shapes32", "train_prompts": "", "test_prompts": ""}  # prompt sets: "" = the shipped train / test sets
+DEFAULTS = {"base": "shapes32", "train_prompts": "", "test_prompts": "",  # prompt sets: "" = the shipped train / test sets
+            "reward_models": dict(device.FOLDERS)}  # the device rewards' weights (rewards/device.py), for any world
 
 
 def load_prompt_set(path: str, split: str) -> list[dict]:
@@ -46,7 +47,7 @@ class ShapesWorld:
     def __init__(self, config, loaded=None):
         w, self.eval_cfg = config.world, config.eval
         self.loaded = loaded
-        self.base = w.base
+        self.base, self.reward_models = w.base, w.reward_models
         self.train_prompts = load_prompt_set(w.train_prompts, "train")
         test = load_prompt_set(w.test_prompts, "test")
         if self.eval_cfg.per_category:
@@ -88,7 +89,7 @@ class ShapesWorld:
         return np.array([by_category[c][rng.integers(len(by_category[c]))] for c in (names[i] for i in rng.integers(len(names), size=n))])
 
     def reward_fn(self, weighted):
-        return rewards.build(weighted)
+        return rewards.build(weighted, self.reward_models)
 
     def reward_model(self):
         return learned.reward_model()
