@@ -67,7 +67,9 @@ def train_config() -> ConfigDict:
                        same_noise_per_group=False, logprob_form="gaussian")  # sde_window () = every step
     cfg.train = dict(iterations=200, prompts_per_iteration=8, group_size=12, num_inner_epochs=1, minibatches=4,
                      lr=3e-4, lr_schedule="constant", weight_decay=1e-4, grad_clip=1.0, ema_decay=0.9, ema_every=1, lora_rank=0, lora_init="kaiming",
-                     rewards=(("shapes_score", 1.0),), time_budget_s=0.0,  # stop after this much training wall time, not counting the first (compiling) iteration; 0 = none
+                     rewards=(("shapes_score", 1.0),), rewards_without_models=(),  # the rewards used instead, with a warning, when
+                     # a device reward of `rewards` has no weights given (world.reward_models): the presets' runnable demo; () = an error
+                     time_budget_s=0.0,  # stop after this much training wall time, not counting the first (compiling) iteration; 0 = none
                      rollout_chunk=0, microbatch=0)  # memory knobs (0 = off): rows sampled at a time, pairs per forward/backward (steps.py)
     cfg.advantage = dict(global_std=True, clip=5.0,
                          null_control=False)  # True: advantages shuffled within each group (steps.make_credit_fn), learning vs drift
@@ -101,7 +103,8 @@ def embedded_train_config(ode_rollouts: bool = False) -> ConfigDict:
     return cfg
 
 
-def sd35m_train_config(rewards=(("jpeg_compressibility", 1.0),), beta: float = 0.04, plan: str = "v5p-8") -> ConfigDict:
+def sd35m_train_config(rewards=(("jpeg_compressibility", 1.0),), beta: float = 0.04, plan: str = "v5p-8",
+                       rewards_without_models=()) -> ConfigDict:
     """Flow-GRPO on SD3.5-Medium in the latent world, from flow_grpo's `config/grpo.py` SD3.5-M settings:
     512 px, groups of 24, 48 prompts per iteration (1,152 images) in 2 optimizer steps, 10 rollout steps
     (SDE noise level 0.7; steps 0-8 trained, upstream's timestep_fraction 0.99) and 40 eval steps, CFG 4.5,
@@ -113,7 +116,7 @@ def sd35m_train_config(rewards=(("jpeg_compressibility", 1.0),), beta: float = 0
     cfg.world.update(resolution=512, t5_max_length=128, dtype="bfloat16")  # flow_grpo: max_sequence_length 128
     cfg.sampler.update(kind="sde", num_steps=10, shift=3.0, noise_level=0.7, sde_window=(0, 9), cfg=4.5, same_noise_per_group=False)
     cfg.train.update(iterations=1000, prompts_per_iteration=48, group_size=24, minibatches=2, lr=3e-4, lora_rank=32,
-                     weight_decay=1e-4, grad_clip=1.0, rewards=tuple(rewards))
+                     weight_decay=1e-4, grad_clip=1.0, rewards=tuple(rewards), rewards_without_models=tuple(rewards_without_models))
     cfg.objective.grpo.update(clip_range=1e-4, beta=beta)
     cfg.eval.update(every=50, at_start=True, samples_per_prompt=1, batch_size=16, num_steps=40, cfg=4.5, shift=3.0,
                     learned_reward=False, noise_seed=1)

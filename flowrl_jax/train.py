@@ -25,6 +25,7 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -78,9 +79,23 @@ def _finite_or_stop(values: dict, step: int, ckpt: Checkpointer) -> None:
 
 
 # --------------------------------------------------------------------------------------------- validate
+def use_fallback_rewards(config) -> None:
+    """`train.rewards_without_models` in place of `train.rewards` when a device reward there has no weights given
+    (`world.reward_models`), with a warning: a preset then runs its model-free demo instead of failing."""
+    models, fallback = config.world.get("reward_models"), tuple(config.train.get("rewards_without_models", ()))
+    missing = [(str(n), rewards.device.FOLDER_OF[str(n)]) for n, _ in config.train.rewards
+               if str(n) in rewards.device.FACTORIES and not (models or {}).get(rewards.device.FOLDER_OF[str(n)])]
+    if missing and fallback:
+        flags = ", ".join(f"--config.world.reward_models.{key}" for _, key in missing)
+        print(f"flowrl_jax: warning: train.rewards {[n for n, _ in missing]} need their weights ({flags}), not given: training "
+              f"on {[str(n) for n, _ in fallback]} instead (train.rewards_without_models)", file=sys.stderr)
+        config.train.rewards = fallback
+
+
 def validate(config):
     """Every check a train config must pass before anything heavy is built; -> the world. ConfigError names the key."""
     s = config.sampler
+    use_fallback_rewards(config)
     try:
         objective = objectives.get(config.objective.name)
         options = objectives.resolve_options(config, patch_size=None)

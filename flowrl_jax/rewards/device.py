@@ -34,6 +34,7 @@ FOLDERS = {  # config.world.reward_models: where each device reward's weights ar
     "aesthetic_clip": "",       # the CLIP-L/14 CLIPModel folder the aesthetic MLP reads
     "aesthetic_mlp": "",        # the MLP's weights (.safetensors or .npz)
 }
+FOLDER_OF = {"pickscore": "pickscore", "clipscore": "clipscore", "aesthetic": "aesthetic_clip"}  # reward -> its main folder key
 AESTHETIC_LAYERS = ((768, 1024), (1024, 128), (128, 64), (64, 16), (16, 1))  # layers.0, 2, 4, 6, 7 (dropouts between)
 AESTHETIC_KEYS = ("layers.0", "layers.2", "layers.4", "layers.6", "layers.7")
 
