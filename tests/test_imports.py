@@ -97,7 +97,8 @@ def test_no_pytorch_advisory_from_our_tokenizer_imports(module, advised):
     import subprocess
     import sys
 
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}  # this process imported flowrl_jax
     out = subprocess.run([sys.executable, "-c", HIDE_TORCH + f"import {module}"], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(ROOT))
+                         cwd=os.path.dirname(ROOT), env=env)
     assert out.returncode == 0, out.stderr
     assert ("PyTorch was not found" in out.stderr) == advised, out.stderr
