@@ -71,11 +71,13 @@ def eos_positions(ids: jax.Array, eos_token_id: int) -> jax.Array:
 
 class CLIPAttention(nn.Module):
     """Causal multi-head self-attention, x [B, L, D], mask [B, L] or None -> [B, L, D] (transformers `CLIPAttention`
-    under `CLIPTextModel`'s causal + padding mask); logits and softmax in float32 (`jax.nn.dot_product_attention`)."""
+    under `CLIPTextModel`'s causal + padding mask); logits and softmax in float32 (`jax.nn.dot_product_attention`).
+    `causal=False` is the vision tower's full attention (`clip_vision`)."""
 
     heads: int
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    causal: bool = True
 
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array | None) -> jax.Array:
@@ -83,7 +85,7 @@ class CLIPAttention(nn.Module):
         dense = functools.partial(nn.Dense, dim, dtype=self.dtype, param_dtype=self.param_dtype)
         q, k, v = (dense(name=f"{n}_proj")(x).reshape(b, length, self.heads, dim // self.heads) for n in "qkv")
         keys = None if mask is None else mask.astype(bool)[:, None, None, :]  # [B, 1, 1, L]: padding hides keys
-        out = jax.nn.dot_product_attention(q, k, v, mask=keys, is_causal=True)  # scale head_dim ** -0.5
+        out = jax.nn.dot_product_attention(q, k, v, mask=keys, is_causal=self.causal)  # scale head_dim ** -0.5
         return dense(name="out_proj")(out.reshape(b, length, dim))
 
 
@@ -108,7 +110,8 @@ def _layer_norm(eps: float, param_dtype: Dtype, name: str) -> nn.LayerNorm:
 
 
 class CLIPEncoderLayer(nn.Module):
-    """Pre-LN block: x + attn(ln1(x)), then x + mlp(ln2(x)); [B, L, D] -> [B, L, D] (transformers `CLIPEncoderLayer`)."""
+    """Pre-LN block: x + attn(ln1(x)), then x + mlp(ln2(x)); [B, L, D] -> [B, L, D] (transformers `CLIPEncoderLayer`).
+    Shared by both towers: causal attention for text (the default), full attention for vision (`causal=False`)."""
 
     heads: int
     intermediate_size: int
@@ -116,12 +119,13 @@ class CLIPEncoderLayer(nn.Module):
     layer_norm_eps: float
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    causal: bool = True
 
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array | None) -> jax.Array:
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         h = _layer_norm(self.layer_norm_eps, self.param_dtype, "layer_norm1")(x).astype(self.dtype)
-        x = x + CLIPAttention(self.heads, name="self_attn", **kw)(h, mask)
+        x = x + CLIPAttention(self.heads, causal=self.causal, name="self_attn", **kw)(h, mask)
         h = _layer_norm(self.layer_norm_eps, self.param_dtype, "layer_norm2")(x).astype(self.dtype)
         return x + CLIPMLP(self.intermediate_size, self.hidden_act, name="mlp", **kw)(h)
 
