@@ -183,6 +183,8 @@ def test_vision_tower_folder(folders, loaded, tmp_path):
     tower.save_pretrained(tmp_path)
     model, params = clip_vision.load(str(tmp_path))
     jax.tree.map(np.testing.assert_array_equal, params, loaded["gelu"][1]["vision"])
+    with_buffer = {**state, "vision_model.embeddings.position_ids": torch.arange(17)[None]}  # older checkpoints' buffer
+    jax.tree.map(np.testing.assert_array_equal, clip_vision.from_state_dict(model, with_buffer), params)
     pixels = np.random.default_rng(2).normal(size=(2, IMAGE, IMAGE, 3)).astype(np.float32)
     with torch.no_grad():
         ref = tower(pixel_values=torch.from_numpy(pixels.transpose(0, 3, 1, 2))).image_embeds.numpy()
