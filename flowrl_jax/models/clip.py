@@ -239,7 +239,10 @@ def check_folder(folder: str, flag: str, model: bool = True, processor: bool = F
         if not os.path.isfile(config_path):
             raise FileNotFoundError(f"{flag}={folder} has no config.json (found {found}): expected a transformers "
                                     "CLIPModel folder (config.json + model.safetensors)")
-        config = _read_json(config_path)
+        try:
+            config = _read_json(config_path)
+        except ValueError as e:
+            raise ValueError(f"{flag}={folder}: {e}") from None
         if not _is_clip_config(config):
             raise ValueError(f"{flag}={folder}: config.json has model_type={config.get('model_type')!r}, not a CLIPModel "
                              "('clip', with text_config and vision_config); a CLIPTextModel or CLIPVisionModel folder "
