@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flowrl_jax import parallel
+from flowrl_jax.models import clip
 from flowrl_jax.rewards import device, image, learned, shapes_eval
 
 
@@ -68,7 +69,8 @@ def build_device(weighted: Sequence[tuple[str, float]], models: Any) -> dict[str
 
 
 class _OnDevice:
-    """A device reward run on images where they lie: jitted, its params placed once on the images' mesh (replicated)."""
+    """A device reward run on images where they lie: jitted, its params placed once on the images' mesh (the CLIP
+    towers' kernels FSDP-sharded, `clip.PARTITION_RULES`, the rest replicated)."""
 
     def __init__(self, reward: device.DeviceReward):
         self.reward, self.apply, self.placed, self.mesh = reward, jax.jit(reward.apply), None, None
@@ -78,9 +80,9 @@ class _OnDevice:
         sharding = getattr(images, "sharding", None)
         mesh = sharding.mesh if isinstance(sharding, jax.sharding.NamedSharding) else None
         if self.placed is None or mesh is not self.mesh:
-            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
-            self.placed = (parallel.put_global(self.reward.params, jax.tree_util.tree_map(lambda _: replicated, self.reward.params))
-                           if mesh is not None else jax.tree_util.tree_map(jnp.asarray, self.reward.params))
+            params = self.reward.params
+            self.placed = (parallel.put_global(params, parallel.tree_shardings(params, mesh, clip.PARTITION_RULES))
+                           if mesh is not None else jax.tree_util.tree_map(jnp.asarray, params))
             self.mesh = mesh
         if mesh is not None and images.shape[0] % parallel.batch_shards(mesh) == 0:
             return parallel.local_rows(self.apply(self.placed, images, parallel.shard_batch(ids, mesh)))

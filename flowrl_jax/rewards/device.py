@@ -96,8 +96,9 @@ def _similarity(name: str, models, scale: float, processor_key: str | None = Non
     return DeviceReward(name, apply, params, lambda rows: model.tokenize([r["prompt"] for r in rows]))
 
 
-def read_aesthetic_mlp(path: str) -> list[tuple[np.ndarray, np.ndarray]]:
-    """[(kernel [in, out], bias [out])] of the five linear layers, checked against `AESTHETIC_LAYERS`."""
+def read_aesthetic_mlp(path: str, width: int = 768) -> list[tuple[np.ndarray, np.ndarray]]:
+    """[(kernel [in, out], bias [out])] of the five linear layers `layers.{0,2,4,6,7}`: a chain from the CLIP
+    embedding's `width` to one output (the published model: `AESTHETIC_LAYERS` on CLIP-L/14's 768)."""
     if path.endswith(".npz"):
         with np.load(path) as f:
             tensors = {k: np.asarray(f[k], np.float32) for k in f.files}
@@ -105,13 +106,16 @@ def read_aesthetic_mlp(path: str) -> list[tuple[np.ndarray, np.ndarray]]:
         from flowrl_jax.models import convert
 
         tensors = {k: np.asarray(v, np.float32) for k, v in convert.read_safetensors(path).items()}
-    layers = []
-    for key, (n_in, n_out) in zip(AESTHETIC_KEYS, AESTHETIC_LAYERS):
+    layers, n_in = [], width
+    for i, key in enumerate(AESTHETIC_KEYS):
         w, b = tensors.get(f"{key}.weight"), tensors.get(f"{key}.bias")
-        if w is None or b is None or w.shape != (n_out, n_in) or b.shape != (n_out,):
-            raise ValueError(f"{path}: {key}.weight [{n_out}, {n_in}] and {key}.bias [{n_out}] expected (the LAION "
-                             f"improved-aesthetic MLP's state_dict), found {sorted(tensors)[:12]}")
+        last = i == len(AESTHETIC_KEYS) - 1
+        if w is None or b is None or w.ndim != 2 or w.shape[1] != n_in or b.shape != (w.shape[0],) or (last and w.shape[0] != 1):
+            raise ValueError(f"{path}: {key}.weight [out, {n_in}] and {key}.bias [out] expected, the last layer's out 1 (the "
+                             f"LAION improved-aesthetic MLP's state_dict on a {width}-wide CLIP embedding), found "
+                             f"{ {k: tuple(v.shape) for k, v in sorted(tensors.items())[:12]} }")
         layers.append((w.T.copy(), b))
+        n_in = w.shape[0]
     return layers
 
 
@@ -127,7 +131,8 @@ def _aesthetic(models) -> DeviceReward:
     from flowrl_jax.models import clip
 
     model, params = clip.load_clip(_folder(models, "aesthetic_clip", "aesthetic"))
-    params = {**params, "mlp": read_aesthetic_mlp(_folder(models, "aesthetic_mlp", "aesthetic"))}
+    width = model.vision.projection_dim
+    params = {**params, "mlp": read_aesthetic_mlp(_folder(models, "aesthetic_mlp", "aesthetic"), width)}
 
     def apply(p, images, ids):
         del ids  # the aesthetic score reads the image alone
