@@ -264,3 +264,71 @@ def test_loading_places_every_weight_shard_by_shard(sd3, tmp_path, monkeypatch):
     strays = [x for x in jax.live_arrays() if x.shape in whole and len(x.sharding.device_set) == 1
               and x.unsafe_buffer_pointer() not in pieces_held]
     assert not strays, [(x.shape, x.sharding) for x in strays[:3]]
+
+
+@pytest.fixture(scope="module")
+def pickscore_folder(tmp_path_factory):
+    """A tiny random CLIPModel + processor folder (tests/test_clip.py's builders) standing in for PickScore_v1."""
+    from tests.test_clip import _processor, _reference, _tokenizer
+
+    folder = tmp_path_factory.mktemp("pickscore")
+    tokenizer = _tokenizer()
+    _reference("gelu", legacy_eos=False, vocab_size=len(tokenizer)).save_pretrained(folder)
+    _processor(tokenizer).save_pretrained(folder)
+    return str(folder)
+
+
+def test_pickscore_of_decoded_latents_has_the_finite_difference_gradient(sd3, pickscore_folder, tmp_path):
+    """The latent world's reward model, pickscore(decode(latents)): `jax.grad` w.r.t. the latents against central
+    differences along random unit directions (float32)."""
+    folder, _ = sd3
+    config = _config(folder, _prompt_dataset(tmp_path), **{"train.rewards": (("pickscore", 1.0),),
+                                                           "world.reward_models.pickscore": pickscore_folder})
+    world = SD3World(config)
+    world.load()
+    apply, params, tokenize = world.reward_model()
+    ids, mask = tokenize([{"prompt": p} for p in PROMPTS[:2]])
+    latents = jax.random.normal(jax.random.PRNGKey(0), world.latent_shape(2))
+    f = jax.jit(lambda x: apply(params, x, ids, mask).sum())
+    grad = np.asarray(jax.grad(lambda x: apply(params, x, ids, mask).sum())(latents))
+    assert np.isfinite(grad).all() and np.abs(grad).max() > 0
+    for seed in range(3):
+        v = np.array(jax.random.normal(jax.random.PRNGKey(10 + seed), latents.shape))
+        v /= np.linalg.norm(v)
+        h = 1e-2
+        fd = (float(f(latents + h * v)) - float(f(latents - h * v))) / (2 * h)
+        # Central differences err by h^2/6 |f'''| (smooth: GELU, softmax, bicubic resize; the clips at +-1 are not hit by
+        # these decodes) plus float32 rounding of f, ~1e-7 |f| / h; both ~1e-5 of the directional derivative's scale here,
+        # which is |grad| ~ 1e-1: 2e-3 absolute, or 5% of it, bounds both with room; a wrong chain rule is O(1).
+        print("fd", seed, fd, float(np.sum(grad * v)), float(np.linalg.norm(grad)))
+        assert abs(fd - float(np.sum(grad * v))) < max(2e-3, 0.05 * abs(fd)), (seed, fd, float(np.sum(grad * v)))
+
+
+def test_train_on_pickscore_flow_grpo_resumes_bit_equal_and_leapalign_runs(sd3, pickscore_folder, tmp_path):
+    folder, _ = sd3
+    prompts = _prompt_dataset(tmp_path)
+    fields = {"train.rewards": (("pickscore", 1.0),), "world.reward_models.pickscore": pickscore_folder}
+    run = tmp_path / "grpo"
+    out = main.run_job(_config(folder, prompts, **fields), str(run))
+    assert out["step"] == 2
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    train_rows = [r for r in rows if "reward" in r]
+    assert len(train_rows) == 2 and all("reward/pickscore" in r and r["reward_std"] > 0 for r in train_rows)
+    assert "eval/pickscore" in rows[-1] or any("eval/pickscore" in r for r in rows)  # each component logged, eval too
+    resumed = tmp_path / "resumed"  # killed after iteration 1: only its first checkpoint
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "2")
+    main.run_job(_config(folder, prompts, **fields), str(resumed))
+    a, b = (checkpoint.Checkpointer(str(d / "checkpoints")) for d in (run, resumed))
+    try:
+        sa, sb = a.restore(2, None)[0], b.restore(2, None)[0]
+    finally:
+        a.close(), b.close()
+    for x, y in zip(jax.tree_util.tree_leaves(sa), jax.tree_util.tree_leaves(sb)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # same prompts, noise and reward: bit-equal
+
+    leap = {**fields, "objective.name": "leapalign", "sampler.kind": "ode", "sampler.sde_window": (),
+            "sampler.same_noise_per_group": False, "eval.every": 0, "checkpoint.every": 0}
+    out = main.run_job(_config(folder, prompts, **leap), str(tmp_path / "leap"))
+    rows = [json.loads(line) for line in open(tmp_path / "leap" / "metrics.jsonl") if '"reward"' in line]
+    assert out["step"] == 2 and len(rows) == 2 and all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
