@@ -48,7 +48,7 @@ def test_device_rewards_equal_flow_grpo_formulas_in_torch(models):
     images = _images()
     built = {n: device.FACTORIES[n](folders) for n in ("pickscore", "clipscore", "aesthetic")}
     model = __import__("flowrl_jax.models.clip", fromlist=["load_clip"]).load_clip(folders["pickscore"])[0]
-    pixels = np.asarray(model.preprocess(images))  # the same pixels for both sides: the towers and formulas are compared
+    pixels = np.array(model.preprocess(images))  # the same pixels for both sides: the towers and formulas are compared
     ids = built["pickscore"].tokenize(PROMPTS)
     with torch.no_grad():
         image = reference.get_image_features(pixel_values=torch.from_numpy(pixels.transpose(0, 3, 1, 2)).float()).pooler_output
