@@ -305,7 +305,7 @@ def test_pickscore_of_decoded_latents_has_the_finite_difference_gradient(sd3, pi
         assert abs(fd - float(np.sum(grad * v))) < 2e-3, (i, fd, float(np.sum(grad * v)))
 
 
-def test_train_on_pickscore_flow_grpo_resumes_bit_equal_and_leapalign_runs(sd3, pickscore_folder, tmp_path):
+def test_train_on_pickscore_flow_grpo_resumes_bit_equal_and_leapalign_and_spatial_credit_run(sd3, pickscore_folder, tmp_path):
     folder, _ = sd3
     prompts = _prompt_dataset(tmp_path)
     fields = {"train.rewards": (("pickscore", 1.0),), "world.reward_models.pickscore": pickscore_folder}
@@ -333,3 +333,8 @@ def test_train_on_pickscore_flow_grpo_resumes_bit_equal_and_leapalign_runs(sd3, 
     out = main.run_job(_config(folder, prompts, **leap), str(tmp_path / "leap"))
     rows = [json.loads(line) for line in open(tmp_path / "leap" / "metrics.jsonl") if '"reward"' in line]
     assert out["step"] == 2 and len(rows) == 2 and all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
+
+    spatial = {**fields, "credit.names": ("uniform", "spatial"), "objective.grpo.ratio": "token", "train.iterations": 1,
+               "eval.every": 0, "checkpoint.every": 0}  # spatial credit's map: the reward's gradient in the latents' tokens
+    out = main.run_job(_config(folder, prompts, **spatial), str(tmp_path / "spatial"))
+    assert out["step"] == 1 and os.path.isfile(tmp_path / "spatial" / "credit_maps_000001.png")

@@ -82,16 +82,17 @@ def debug_images(ctx, extras: dict, options) -> dict:
     first = int(np.flatnonzero(np.asarray(ctx.rollout.trained))[0])  # the map of the first trained step
     w = weights({"rollout": ctx.rollout, **extras}, options)[:, first]
     images, labels = ctx.local(ctx.decode(ctx.rollout.final)), [p["prompt"] for p in ctx.prompts_local]
-    return {"credit_maps": overlay_grid(images, ctx.local(w), patch_size_of(ctx.rollout), labels)}
+    p, (h, wd) = patch_size_of(ctx.rollout), ctx.rollout.states.shape[2:4]
+    return {"credit_maps": overlay_grid(images, ctx.local(w), (h // p, wd // p), labels)}
 
 
-def overlay_grid(images, w, patch_size: int, labels=None, n: int = 12) -> dict:
-    """`metrics.save_grid` kwargs: images [B, H, W, 3] in [-1, 1] over their token weights w [B, N] as a heat map."""
+def overlay_grid(images, w, grid: tuple[int, int], labels=None, n: int = 12) -> dict:
+    """`metrics.save_grid` kwargs: images [B, H, W, 3] in [-1, 1] over their token weights w [B, N] (N = gh x gw tokens of
+    the DiT's `grid`, pixels or latents) as a heat map, each token's cell blown up to the image's size."""
     images, w = np.asarray(images[:n], np.float32), np.asarray(w[:n], np.float32)
     b, h, wd, _ = images.shape
-    g = (h // patch_size, wd // patch_size)
-    maps = w.reshape(b, *g) / np.maximum(w.reshape(b, -1).max(1), 1e-8)[:, None, None]
-    maps = np.kron(maps, np.ones((patch_size, patch_size)))[..., None]
+    maps = w.reshape(b, *grid) / np.maximum(w.reshape(b, -1).max(1), 1e-8)[:, None, None]
+    maps = np.kron(maps, np.ones((h // grid[0], wd // grid[1])))[..., None]
     heat = np.concatenate([maps, maps * 0.6, 1 - maps], axis=-1) * 2 - 1  # blue (little) -> orange (much)
     overlay = 0.45 * images + 0.55 * heat
     return {"images": np.concatenate([images, overlay]), "rows": 2, "labels": list(labels[:n]) * 2 if labels else None,
