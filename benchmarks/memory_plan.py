@@ -39,7 +39,10 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from flowrl_jax import config_lib, credit as credit_lib, objectives, parallel  # noqa: E402
+from flowrl_jax.models import clip, clip_text, clip_vision  # noqa: E402
 from flowrl_jax.models.sd3 import SD35_MEDIUM, build_pipeline  # noqa: E402
+from flowrl_jax.rewards import device  # noqa: E402
+from reward_throughput import TOWERS  # noqa: E402  (benchmarks/: the reward towers' real shapes)
 from flowrl_jax.policy import Policy  # noqa: E402
 from flowrl_jax.steps import (initial_state, make_optimizer, make_rollout_fn, make_update_fn, minibatch_pairs,  # noqa: E402
                               sampler_levels)
@@ -80,18 +83,46 @@ def _analysis(compiled) -> dict:
             "temp": m.temp_size_in_bytes, "all_gathered": _gathered_bytes(compiled.as_text())}
 
 
-def target_config(target: str, prompts: int):
+METHODS = ("grpo", "leapalign")  # Flow-GRPO (the presets), or LeapAlign on PickScore(decode(x)) (the gradient methods)
+
+
+def target_config(target: str, prompts: int, method: str = "grpo"):
     config = config_lib.sd35m_train_config()
     config.unlock()
     plan = config_lib.MEMORY_PLANS[target]
     config_lib.apply_memory_plan(config, target)
     config.train.prompts_per_iteration = prompts
+    if method == "leapalign":  # its ODE rollout, PickScore through the VAE decoder as the differentiable reward
+        config.objective.name = "leapalign"
+        config.sampler.update(kind="ode", sde_window=(), same_noise_per_group=False)
+        config.train.rewards = (("pickscore", 1.0),)
     return config, plan
+
+
+def pickscore_model(pipe, dtype, param_dtype) -> tuple:
+    """The latent world's reward model for LeapAlign and spatial credit at real size: PickScore (ViT-H/14, its text
+    tower) on the VAE's decode, `(apply(params, latents, ids, mask), init() -> params)`; both towers under remat."""
+    towers = TOWERS["ViT-H/14 (PickScore)"]
+    model = clip.CLIP(clip_text.CLIPTextEncoder(**towers["text"], dtype=dtype, param_dtype=param_dtype),
+                      clip_vision.CLIPVisionEncoder(**towers["vision"], dtype=dtype, param_dtype=param_dtype, remat=True),
+                      clip.ImageSettings(), None, 77)
+    score = device.similarity(model, 26.0)
+
+    def apply(p, latents, ids, mask):
+        return score(p["rewards"]["pickscore"], pipe.decode(p["vae"], latents), ids)
+
+    def init() -> dict:
+        key = jax.random.PRNGKey(0)
+        return {"text": model.text.init(key, jnp.zeros((1, 77), jnp.int32))["params"],
+                "vision": model.vision.init(key, *model.vision.dummy_inputs())["params"], "logit_scale": jnp.zeros((), jnp.float32)}
+
+    return apply, init
 
 
 def build_job(config, devices, components: dict = SD35_MEDIUM) -> SimpleNamespace:
     """The train job's jitted rollout, decode and update for `config` on a mesh of `devices`, with the abstract
-    (sharded `ShapeDtypeStruct`) arguments to lower them on; `init_frozen` / `init_state` make real ones."""
+    (sharded `ShapeDtypeStruct`) arguments to lower them on; `init_frozen` / `init_state` make real ones. An objective
+    that differentiates the reward (LeapAlign) gets PickScore on the VAE's decode (`pickscore_model`)."""
     mesh = parallel.make_mesh(config.mesh, devices=devices)
     w, t, s = config.world, config.train, config.sampler
     pipe, init_frozen = build_pipeline(components, dtype=jnp.dtype(w.dtype), param_dtype=jnp.dtype(w.param_dtype), remat=w.remat,
@@ -100,6 +131,15 @@ def build_job(config, devices, components: dict = SD35_MEDIUM) -> SimpleNamespac
     world = SD3World.around(config, pipe, parallel.batch_sharding(mesh))
     policy = Policy(pipe.dit, t.lora_rank, t.lora_init)
     objective = objectives.get(config.objective.name)
+    reward_apply = None
+    if objective.uses_reward_model:
+        reward_apply, init_reward = pickscore_model(pipe, jnp.dtype(w.dtype), jnp.dtype(w.param_dtype))
+        frozen = {**frozen, "reward": {"vae": frozen["vae"], "rewards": {"pickscore": jax.eval_shape(init_reward)}}}
+        init_pipeline = init_frozen
+
+        def init_frozen(rng):  # noqa: F811 (the pipeline's weights and the reward model's)
+            f = init_pipeline(rng)
+            return {**f, "reward": {"vae": f["vae"], "rewards": {"pickscore": init_reward()}}}
     options = objectives.resolve_options(config, pipe.dit.patch_size)
     credit = credit_lib.build(config.credit.names, config.credit, config.advantage.global_std, config.advantage.clip)
     optimizer = make_optimizer(t)
@@ -123,8 +163,11 @@ def build_job(config, devices, components: dict = SD35_MEDIUM) -> SimpleNamespac
     data = {"rollout": jax.tree_util.tree_map(batch_leaf, ro), "cond": jax.tree_util.tree_map(batch_leaf, cond),
             "null": jax.tree_util.tree_map(batch_leaf, null),
             "adv": jax.ShapeDtypeStruct((batch, s.num_steps, 1), jnp.float32, sharding=data_sh)}
+    if objective.uses_reward_model:  # PickScore's token ids (the objective's host-side extras)
+        data.update(reward_ids=jax.ShapeDtypeStruct((batch, 77), jnp.int32, sharding=data_sh),
+                    reward_mask=jax.ShapeDtypeStruct((batch, 77), jnp.bool_, sharding=data_sh))
     index = lambda dtype: jax.ShapeDtypeStruct((pairs,), dtype, sharding=rep)  # noqa: E731
-    update_fn = jax.jit(make_update_fn(policy, objective, options, optimizer, config, None, data_sh),
+    update_fn = jax.jit(make_update_fn(policy, objective, options, optimizer, config, reward_apply, data_sh),
                         out_shardings=(state_sh, None), donate_argnums=0)
     return SimpleNamespace(
         config=config, mesh=mesh, batch=batch, pairs=pairs, slots=slots, rollout=rollout_fn, decode=jax.jit(world.decode_rows),
@@ -135,10 +178,10 @@ def build_job(config, devices, components: dict = SD35_MEDIUM) -> SimpleNamespac
         sizes={"frozen": _bytes(frozen), "trainable": _bytes(state.params), "state": _bytes(state)})
 
 
-def compile_phases(target: str, prompts: int, float32: bool = False) -> dict:
+def compile_phases(target: str, prompts: int, float32: bool = False, method: str = "grpo") -> dict:
     """Per-device bytes of each phase of one iteration at `prompts` x 24 rows on `target`'s simulated mesh
     (`float32`: weights and compute in float32, for the activations' bound, `native_bf16`)."""
-    config, plan = target_config(target, prompts)
+    config, plan = target_config(target, prompts, method)
     if float32:
         config.world.update(dtype="float32", param_dtype="float32")
     job = build_job(config, jax.devices()[: plan["devices"]])
@@ -245,6 +288,8 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="also compile at the largest batch found (another compile per target)")
     parser.add_argument("--out", default="benchmarks/results/memory_plan.json")
     parser.add_argument("--traffic", action="store_true", help="only the frozen DiT's replicate-or-FSDP table (no compiling)")
+    parser.add_argument("--method", default="grpo", choices=METHODS, help="leapalign: the gradient methods' plan (PickScore on "
+                        "the VAE decode, rows '<target>+leapalign')")
     args = parser.parse_args()
     base = config_lib.sd35m_train_config().train
     if args.traffic:
@@ -260,13 +305,13 @@ def main() -> None:
     for target in args.targets.split(","):
         plan = config_lib.MEMORY_PLANS[target]
         t0 = time.time()
-        low = compile_phases(target, base.prompts_per_iteration)
-        native = native_bf16(low, compile_phases(target, base.prompts_per_iteration, float32=True))
+        low = compile_phases(target, base.prompts_per_iteration, method=args.method)
+        native = native_bf16(low, compile_phases(target, base.prompts_per_iteration, float32=True, method=args.method))
         memories = (plan["memory_gb"],) + tuple(plan.get("also_gb", ()))
         largest = {str(gb): largest_prompts(native, gb, plan["rollout_chunk"], base.group_size) for gb in memories}
         largest_cpu = {str(gb): largest_prompts(low, gb, plan["rollout_chunk"], base.group_size) for gb in memories}
-        check = compile_phases(target, largest[str(plan["memory_gb"])]) if args.check and largest[str(plan["memory_gb"])] else None
-        results[target] = {"plan": plan, "low": low, "native_bf16": native, "bytes_per_prompt": low["stored"] / low["prompts"],
+        check = compile_phases(target, largest[str(plan["memory_gb"])], method=args.method) if args.check and largest[str(plan["memory_gb"])] else None
+        results[target if args.method == "grpo" else f"{target}+{args.method}"] = {"plan": plan, "method": args.method, "low": low, "native_bf16": native, "bytes_per_prompt": low["stored"] / low["prompts"],
                            "hand": hand_estimate(target, base.prompts_per_iteration, low), "largest_prompts": largest,
                            "largest_prompts_xla_cpu": largest_cpu, "at_largest": check, "compile_s": time.time() - t0}
         with open(args.out, "w") as f:

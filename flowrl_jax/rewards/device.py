@@ -81,19 +81,24 @@ def _normalized(x: jax.Array) -> jax.Array:
     return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
 
 
-def _similarity(name: str, models, scale: float, processor_key: str | None = None) -> DeviceReward:
-    """`exp(logit_scale) * cos(image, text) / scale` of a CLIPModel folder."""
-    from flowrl_jax.models import clip
-
-    processor = models.get(processor_key, "") if processor_key else ""
-    model, params = clip.load_clip(_folder(models, name, name), processor_folder=processor or None)
-
+def similarity(model, scale: float) -> Callable:
+    """`apply(params, images, ids) = exp(logit_scale) * cos(image, text) / scale` of a `clip.CLIP` (pickscore: 26,
+    clipscore: 30), the images through the model's own preprocessing."""
     def apply(p, images, ids):
         image = _normalized(model.image_embeds(p, model.preprocess(images)))
         text = _normalized(model.text_embeds(p, ids))
         return jnp.exp(p["logit_scale"]) * jnp.sum(image * text, axis=-1) / scale
 
-    return DeviceReward(name, apply, params, lambda rows: model.tokenize([r["prompt"] for r in rows]))
+    return apply
+
+
+def _similarity(name: str, models, scale: float, processor_key: str | None = None) -> DeviceReward:
+    """`similarity` of a CLIPModel folder."""
+    from flowrl_jax.models import clip
+
+    processor = models.get(processor_key, "") if processor_key else ""
+    model, params = clip.load_clip(_folder(models, name, name), processor_folder=processor or None)
+    return DeviceReward(name, similarity(model, scale), params, lambda rows: model.tokenize([r["prompt"] for r in rows]))
 
 
 def read_aesthetic_mlp(path: str, width: int = 768) -> list[tuple[np.ndarray, np.ndarray]]:
