@@ -187,11 +187,13 @@ DISTRIBUTED_TIMEOUT_S = 300  # jax.distributed.initialize's own default deadline
 def parse_switch(value: Any, key: str = "distributed") -> bool | str:
     """`config.distributed` as ml_collections users write it: "auto", or a boolean that may arrive as a string
     from the command line (`--config.distributed=True` gives 'True' when the field's default is "auto")."""
-    if isinstance(value, bool) or value == "auto":
+    if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
-    if text in ("auto", "true", "false", "1", "0", "yes", "no"):
-        return "auto" if text == "auto" else text in ("true", "1", "yes")
+    if text == "auto":
+        return "auto"
+    if text in ("true", "false", "1", "0", "yes", "no"):
+        return text in ("true", "1", "yes")
     raise ValueError(f"config.{key}={value!r}: choose auto, True or False")
 
 

@@ -10,6 +10,7 @@ safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 from flowrl_jax import rewards, train  # noqa: E402
 from flowrl_jax.config_lib import ConfigError  # noqa: E402
+from flowrl_jax.models import clip  # noqa: E402
 from flowrl_jax.rewards import device  # noqa: E402
 from tests.conftest import load_config  # noqa: E402
 from tests.test_clip import PARITY, PROJ, _processor, _reference, _structured_images, _tokenizer  # noqa: E402
@@ -47,7 +48,7 @@ def test_device_rewards_equal_flow_grpo_formulas_in_torch(models):
     folders, reference, mlp = models
     images = _images()
     built = {n: device.FACTORIES[n](folders) for n in ("pickscore", "clipscore", "aesthetic")}
-    model = __import__("flowrl_jax.models.clip", fromlist=["load_clip"]).load_clip(folders["pickscore"])[0]
+    model = clip.load_clip(folders["pickscore"])[0]
     pixels = np.array(model.preprocess(images))  # the same pixels for both sides: the towers and formulas are compared
     ids = built["pickscore"].tokenize(PROMPTS)
     with torch.no_grad():
@@ -77,8 +78,10 @@ def test_host_and_device_rewards_mix_and_each_part_is_reported(models):
     total, parts = fn(images, PROMPTS)
     assert set(parts) == {"pickscore", "jpeg_compressibility"}
     alone = rewards.build((("pickscore", 1.0),), folders)(images, PROMPTS)[0]
-    np.testing.assert_allclose(parts["pickscore"], alone, rtol=1e-6)  # the same jitted function on the same images
-    np.testing.assert_allclose(total, 2.0 * parts["pickscore"] + 0.5 * parts["jpeg_compressibility"], rtol=1e-6)
+    # Exact: the same compiled function (one loaded reward per process) on the same images and ids, and the sum is the
+    # same float32 numpy operations in the same order (0 + 2 p, then + 0.5 j): no reordering, so no rounding difference.
+    np.testing.assert_array_equal(parts["pickscore"], alone)
+    np.testing.assert_array_equal(total, 2.0 * parts["pickscore"] + 0.5 * parts["jpeg_compressibility"])
 
 
 def test_device_reward_folders_are_checked_before_compiling(models, tmp_path, capsys):

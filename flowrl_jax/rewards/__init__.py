@@ -63,30 +63,42 @@ def check(weighted: Sequence[tuple[str, float]], models: Any = None) -> None:
             device.check(str(name), models)
 
 
-def build_device(weighted: Sequence[tuple[str, float]], models: Any) -> dict[str, device.DeviceReward]:
-    """The device rewards of `weighted`, loaded (host params)."""
-    return {str(n): device.FACTORIES[str(n)](models) for n, _ in weighted if str(n) in device.FACTORIES}
-
-
 class _OnDevice:
-    """A device reward run on images where they lie: jitted, its params placed once on the images' mesh (the CLIP
-    towers' kernels FSDP-sharded, `clip.PARTITION_RULES`, the rest replicated)."""
+    """A device reward run on images where they lie: jitted, its params placed once per mesh they arrive on (the CLIP
+    towers' kernels FSDP-sharded, `clip.PARTITION_RULES`, the rest replicated; host images: the default device)."""
 
     def __init__(self, reward: device.DeviceReward):
-        self.reward, self.apply, self.placed, self.mesh = reward, jax.jit(reward.apply), None, None
+        self.reward, self.apply, self.placed = reward, jax.jit(reward.apply), {}
 
     def __call__(self, images, prompts) -> np.ndarray:
         ids = np.asarray(self.reward.tokenize(prompts))
         sharding = getattr(images, "sharding", None)
         mesh = sharding.mesh if isinstance(sharding, jax.sharding.NamedSharding) else None
-        if self.placed is None or mesh is not self.mesh:
+        if mesh not in self.placed:
             params = self.reward.params
-            self.placed = (parallel.put_global(params, parallel.tree_shardings(params, mesh, clip.PARTITION_RULES))
-                           if mesh is not None else jax.tree_util.tree_map(jnp.asarray, params))
-            self.mesh = mesh
+            self.placed[mesh] = (parallel.put_global(params, parallel.tree_shardings(params, mesh, clip.PARTITION_RULES))
+                                 if mesh is not None else jax.tree_util.tree_map(jnp.asarray, params))
         if mesh is not None and images.shape[0] % parallel.batch_shards(mesh) == 0:
-            return parallel.local_rows(self.apply(self.placed, images, parallel.shard_batch(ids, mesh)))
-        return np.asarray(self.apply(self.placed, jnp.asarray(images), ids))
+            return parallel.local_rows(self.apply(self.placed[mesh], images, parallel.shard_batch(ids, mesh)))
+        return np.asarray(self.apply(self.placed[mesh], jnp.asarray(images), ids))
+
+
+_LOADED: dict[tuple, tuple[device.DeviceReward, _OnDevice]] = {}  # (name, its folders) -> the reward, loaded once
+
+
+def _device_reward(name: str, models: Any) -> tuple[device.DeviceReward, _OnDevice]:
+    """A device reward and its runner, loaded once per process whoever asks (the train loop's rewards, the world's
+    eval, the latent world's reward model): the weights are read and placed once, not once per caller."""
+    key = (name, tuple(sorted((k, str(v)) for k, v in dict(models).items())))
+    if key not in _LOADED:
+        reward = device.FACTORIES[name](models)
+        _LOADED[key] = (reward, _OnDevice(reward))
+    return _LOADED[key]
+
+
+def build_device(weighted: Sequence[tuple[str, float]], models: Any) -> dict[str, device.DeviceReward]:
+    """The device rewards of `weighted`, loaded (host params)."""
+    return {str(n): _device_reward(str(n), models)[0] for n, _ in weighted if str(n) in device.FACTORIES}
 
 
 def build(weighted: Sequence[tuple[str, float]], models: Any = None) -> Callable:
@@ -95,7 +107,7 @@ def build(weighted: Sequence[tuple[str, float]], models: Any = None) -> Callable
     check(weighted, models)
     weighted = [(str(n), float(w)) for n, w in weighted]
     fns = {n: REWARDS[n]() for n, _ in weighted if n in REWARDS}
-    fns.update({n: _OnDevice(r) for n, r in build_device(weighted, models).items()})
+    fns.update({n: _device_reward(n, models)[1] for n, _ in weighted if n in device.FACTORIES})
 
     def reward(images, prompts):
         host = None
