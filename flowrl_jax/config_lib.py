@@ -11,6 +11,7 @@ from flowrl_jax import credit, objectives, worlds
 from flowrl_jax.data import curriculum
 from flowrl_jax.models.presets import PRESETS
 from flowrl_jax.parallel import DEFAULT_RULES
+from flowrl_jax.rewards import remote
 
 
 class ConfigError(ValueError):
@@ -70,7 +71,9 @@ def train_config() -> ConfigDict:
                      rewards=(("shapes_score", 1.0),), rewards_without_models=(),  # the rewards used instead, with a warning, when
                      # a device reward of `rewards` has no weights given (world.reward_models): the presets' runnable demo; () = an error
                      time_budget_s=0.0,  # stop after this much training wall time, not counting the first (compiling) iteration; 0 = none
-                     rollout_chunk=0, microbatch=0)  # memory knobs (0 = off): rows sampled at a time, pairs per forward/backward (steps.py)
+                     rollout_chunk=0, microbatch=0,  # memory knobs (0 = off): rows sampled at a time, pairs per forward/backward (steps.py)
+                     score_while_sampling=False,  # True: each rollout chunk (train.rollout_chunk rows) is scored on a thread while the next samples
+                     remote_rewards=dict(remote.DEFAULTS))  # remote:NAME@URL rewards: rows per request, seconds (rewards/remote.py)
     cfg.advantage = dict(global_std=True, clip=5.0,
                          null_control=False)  # True: advantages shuffled within each group (steps.make_credit_fn), learning vs drift
     cfg.credit = credit.config_fields()  # names: the chain (credit/__init__.py); one sub-dict of options per scheme

@@ -1,7 +1,8 @@
 """Entry point: `python -m flowrl_jax.main --config configs/<name>.py[:variant] [--config.a.b=v] [--workdir d]`.
 
 Dispatches on `config.job` to `<module>.run(config, workdir)`. Config mistakes (an unknown key, a
-missing required field, an unknown job) end the run with one line naming the key.
+missing required field, an unknown job) end the run with one line naming the key (exit 2). A reward server
+that stays down ends it with one line naming the server and the checkpoint saved (exit 75, EX_TEMPFAIL: rerun later).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from ml_collections import config_flags
 
 from flowrl_jax import parallel
 from flowrl_jax.config_lib import ConfigError, require
+from flowrl_jax.rewards.remote import RewardServerError
 
 # job name -> (module with run(config, workdir), fields it requires)
 JOBS = {
@@ -28,9 +30,12 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Python config file (g
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and samples.")
 
 
-def _fail(message: str) -> None:
+EXIT_RERUN_LATER = 75  # sysexits.h EX_TEMPFAIL: a reward server was down; the same command resumes
+
+
+def _fail(message: str, code: int = 2) -> None:
     print(f"flowrl_jax: error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
 
 
 def _unknown_override(argv, missing: str) -> str | None:
@@ -105,6 +110,8 @@ def main(argv) -> None:
         run_job(config, _WORKDIR.value)
     except ConfigError as e:
         _fail(str(e))
+    except RewardServerError as e:
+        _fail(str(e), EXIT_RERUN_LATER)
 
 
 if __name__ == "__main__":

@@ -103,6 +103,29 @@ def make_rollout_fn(policy: Policy, world, config, row_sharding: jax.sharding.Na
         ro, cond, null = parallel.constrain_rows(out, row_sharding, ids.shape[0])
         return ro.replace(sigmas=sigmas, noise_levels=levels), cond, null
 
+    # The same chunks, one jitted call each from the host (`Steps.rollout_in_chunks`): the loop can score chunk i while
+    # chunk i + 1 samples. `start` cuts the inputs into chunks (`to_row_chunks`), `chunk` samples one, `assemble` puts
+    # the chunks' outputs back in row order.
+    def start(ids, mask, rng):
+        k_noise, k_steps = jax.random.split(rng)
+        x_T = rollout_lib.initial_noise(k_noise, world.latent_shape(ids.shape[0]), t.group_size, s.same_noise_per_group)
+        pieces = jax.tree_util.tree_map(lambda a: parallel.to_row_chunks(a, ids.shape[0] // chunk, shards), (ids, mask, x_T))
+        return [jax.tree_util.tree_map(lambda a: a[i], pieces) for i in range(ids.shape[0] // chunk)], k_steps
+
+    def one(trainable, frozen, rows, k_steps, i):
+        ids_c, mask_c, x_c = rows
+        ro, cond, null = rows_rollout(trainable, frozen, ids_c, mask_c, x_c, jax.random.fold_in(k_steps, i))
+        return ro.replace(sigmas=None, noise_levels=None), cond, null
+
+    def assemble(outs):
+        n = len(outs)
+        def rows(*leaves):  # [n][shards * per, ...] -> [B, ...] in row order (the inverse of to_row_chunks)
+            a = jnp.stack(leaves).reshape((n, shards, leaves[0].shape[0] // shards) + leaves[0].shape[1:])
+            return a.swapaxes(0, 1).reshape((n * leaves[0].shape[0],) + leaves[0].shape[1:])
+        ro, cond, null = parallel.constrain_rows(jax.tree_util.tree_map(rows, *outs), row_sharding, n * outs[0][0].final.shape[0])
+        return ro.replace(sigmas=sigmas, noise_levels=levels), cond, null
+
+    rollout_fn.start, rollout_fn.chunk, rollout_fn.assemble = start, one, assemble
     return rollout_fn
 
 
@@ -308,8 +331,13 @@ class Steps:
         self.shardings = parallel.tree_shardings(jax.eval_shape(init_state, rng), mesh, rules, min_size)
         self.state = jax.jit(init_state, out_shardings=self.shardings)(rng)
         data, replicated = parallel.batch_sharding(mesh), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        self.rollout = jax.jit(make_rollout_fn(policy, world, config, data),
-                               in_shardings=(self.shardings.params, frozen_shardings, data, data, replicated))
+        rollout_fn = make_rollout_fn(policy, world, config, data)
+        self.rollout = jax.jit(rollout_fn, in_shardings=(self.shardings.params, frozen_shardings, data, data, replicated))
+        num_chunks = t_cfg.prompts_per_iteration * t_cfg.group_size // t_cfg.rollout_chunk if t_cfg.get("rollout_chunk") else 1
+        self._rollout_start = jax.jit(rollout_fn.start, in_shardings=(data, data, replicated), out_shardings=([data] * num_chunks, replicated))
+        self._rollout_chunk = jax.jit(rollout_fn.chunk, in_shardings=(self.shardings.params, frozen_shardings, data, replicated, None),
+                                      out_shardings=data)
+        self._rollout_assemble = jax.jit(rollout_fn.assemble)
         self.credit = jax.jit(make_credit_fn(credit, "step" in objective.offers(options), config.advantage.null_control), static_argnums=3)
         self.complete = jax.jit(make_completion_fn(policy, config), static_argnums=5)
         self.image_change = jax.jit(make_image_change_fn(policy, world, config))
@@ -321,6 +349,16 @@ class Steps:
         self.slots = objective.slots(options, np.asarray(sampler_levels(config.sampler)))
         self.minibatch_size = minibatch_pairs(t_cfg, len(self.slots))
         self._reward_gradient = None
+
+    def rollout_in_chunks(self, trainable, frozen, ids, mask, rng, on_chunk: Callable) -> tuple:
+        """`rollout` (with `train.rollout_chunk`) run one chunk per call from the host: `on_chunk(i, (ro_i, cond_i, null_i))`
+        as soon as chunk i is dispatched (its rows: `chunk_rows`), while chunk i + 1 samples. -> (Rollout, cond, null)."""
+        pieces, k_steps = self._rollout_start(ids, mask, rng)
+        outs = []
+        for i, rows in enumerate(pieces):
+            outs.append(self._rollout_chunk(trainable, frozen, rows, k_steps, np.int32(i)))
+            on_chunk(i, outs[-1])
+        return self._rollout_assemble(outs)
 
     def objective_extras(self, prompts_local: list[dict]) -> dict:
         """The objective's host-side inputs for this iteration (the reward model's tokens), batch-sharded."""

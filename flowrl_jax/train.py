@@ -21,6 +21,7 @@ keeping the last good checkpoint.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -39,6 +40,7 @@ from flowrl_jax.checkpoint import CheckpointError, Checkpointer
 from flowrl_jax.config_lib import ConfigError
 from flowrl_jax.data import curriculum
 from flowrl_jax.models import lora
+from flowrl_jax.rewards import remote
 from flowrl_jax.steps import Steps, TrainState, learning_rate, minibatches, sampler_levels
 
 
@@ -102,10 +104,14 @@ def validate(config):
         objective.check(options, s)
         credit = credit_lib.build(config.credit.names, config.credit, config.advantage.global_std, config.advantage.clip)
         rewards.check(config.train.rewards, config.world.get("reward_models"))  # the device rewards' folders, before compiling
+        remote.settings(config.train.get("remote_rewards"))
         sampler_levels(s)
         world = worlds.build(config)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
+    if config.train.get("score_while_sampling") and not config.train.rollout_chunk:
+        raise ConfigError("train.score_while_sampling=True scores each rollout chunk while the next samples: set "
+                          "train.rollout_chunk to the rows per chunk (e.g. a quarter of prompts_per_iteration x group_size)")
     if config.train.lora_init not in lora.INITS:
         raise ConfigError(f"train.lora_init={config.train.lora_init!r}: choose one of {', '.join(lora.INITS)}")
     if s.kind == "ode" and s.same_noise_per_group:
@@ -136,6 +142,7 @@ class Job:
     local: slice     # this process's rows of the global batch
     start_step: int  # the iteration this process started (or resumed) at
     reader: Any = None  # the world's per-process prompt reader (its position is checkpointed), or None
+    pool: Any = None    # the threads scoring rollout chunks while the next samples (train.score_while_sampling), or None
 
 
 def setup(config, workdir: str, world) -> tuple[Job, TrainState]:
@@ -155,7 +162,7 @@ def setup(config, workdir: str, world) -> tuple[Job, TrainState]:
         learning_rate(t_cfg)  # a misspelled train.lr_schedule fails here, before the base model loads
         dit, base = world.load()
         credit = credit_lib.build(config.credit.names, config.credit, config.advantage.global_std, config.advantage.clip)
-        reward_fn = world.reward_fn(t_cfg.rewards)
+        reward_fn = world.reward_fn(t_cfg.rewards, t_cfg.get("remote_rewards"))
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
     steps = Steps(config, mesh, world, dit, base, credit, len(world.train_prompts))
@@ -181,8 +188,11 @@ def setup(config, workdir: str, world) -> tuple[Job, TrainState]:
         reader = world.prompt_reader(t_cfg.prompts_per_iteration)
         if restored is not None and "prompt_reader" in meta:  # saved by process 0; every process is at the same position
             reader.set_state({**meta["prompt_reader"], "process_index": jax.process_index()})
+    pool = None
+    if t_cfg.get("score_while_sampling") and reward_fn.on_host:
+        pool = concurrent.futures.ThreadPoolExecutor(min(4, batch // t_cfg.rollout_chunk), thread_name_prefix="score")
     job = Job(config, workdir, world, mesh, steps, credit, reward_fn, ckpt, metrics.MetricWriter(workdir), history,
-              parallel.process_batch_slice(batch), int(state.step), reader)
+              parallel.process_batch_slice(batch), int(state.step), reader, pool)
     return job, state
 
 
@@ -207,18 +217,51 @@ def sample_prompts(job: Job, state: TrainState, it: int) -> dict:
 
 
 def rollout(job: Job, state: TrainState, batch: dict, it: int):
-    """-> (Rollout, cond, null): the old policy's rollout where the objective keeps one, else the policy's."""
+    """-> (Rollout, cond, null): the old policy's rollout where the objective keeps one, else the policy's. With
+    `train.score_while_sampling` the rollout runs chunk by chunk and each chunk's host and remote rewards are
+    scored on `job.pool` while the next chunk samples (`batch["early"]`: [(this process's rows, future)])."""
     params = state.old if job.steps.objective.old_policy is not None else state.params
     rng = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(job.config.seed), it), 0)
-    return job.steps.rollout(params, job.steps.frozen, batch["ids"], batch["mask"], rng)
+    if job.pool is None:
+        return job.steps.rollout(params, job.steps.frozen, batch["ids"], batch["mask"], rng)
+    b, chunk = len(batch["group_ids"]), job.config.train.rollout_chunk
+    order = parallel.to_row_chunks(np.arange(b), b // chunk, parallel.batch_shards(job.mesh))  # chunk i's global rows
+    batch["early"] = []
+
+    def on_chunk(i, out):
+        mine = order[i][(order[i] >= job.local.start) & (order[i] < job.local.stop)] - job.local.start  # this process's, in order
+        images = job.world.decode(job.steps.frozen, out[0].final)  # dispatched here: the device's work keeps one order
+        prompts = [batch["prompts_local"][r] for r in mine]
+        batch["early"].append((mine, job.pool.submit(lambda: job.reward_fn.host_parts(parallel.local_rows(images), prompts))))
+
+    return job.steps.rollout_in_chunks(params, job.steps.frozen, batch["ids"], batch["mask"], rng, on_chunk)
+
+
+def rewards_of(job: Job, images, batch: dict) -> tuple[np.ndarray, dict]:
+    """This process's rows' rewards: (total [b], {name: [b]}); the host part from the chunks scored early, if any."""
+    if not batch.get("early"):
+        return job.reward_fn(images, batch["prompts_local"])
+    parts = {}
+    for rows, future in batch["early"]:
+        for name, values in future.result().items():
+            parts.setdefault(name, np.zeros(len(batch["prompts_local"]), np.float32))[rows] = values
+    parts.update(job.reward_fn.device_parts(images, batch["prompts_local"]) if job.reward_fn.on_device else {})
+    return job.reward_fn.total(parts), {n: parts[n] for n, _ in job.reward_fn.weighted}
 
 
 def score(job: Job, ro, batch: dict, it: int) -> dict:
     """Rewards of this process's decoded samples (device rewards on the device, host rewards on the host), gathered into
     global arrays with the group ids (`reward` and `parts`: every process's rows on the host, for the logs). A non-finite reward anywhere stops the
-    run on every process at once: the test reads the gathered rewards, the same values on every host."""
+    run on every process at once: the test reads the gathered rewards, the same values on every host. So does a reward
+    server that failed on any process (`remote.RewardServerError`, raised on every process; `loop` saves and stops)."""
     images = job.world.decode(job.steps.frozen, ro.final)  # on the device: device rewards score it there, host ones read local rows
-    reward, parts = job.reward_fn(images, batch["prompts_local"])
+    failure = None
+    try:
+        reward, parts = rewards_of(job, images, batch)
+    except remote.RewardServerError as e:
+        failure = e
+    if parallel.agree({"reward_server_failed": failure is not None})["reward_server_failed"]:
+        raise failure or remote.RewardServerError("of another process", "failed there (see that process's log)")
     rewards = parallel.global_from_local(reward, job.mesh)
     every = {n: parallel.to_host(parallel.global_from_local(v, job.mesh)) for n, v in parts.items()}  # all processes' rows, for logs
     gathered = parallel.to_host(rewards)
@@ -367,16 +410,35 @@ def loop(job: Job, state: TrainState, stop: StopSignal) -> dict:
     stopped = None
     try:
         for it in bar:
-            state, scalars = iteration(job, state, it)
-            shown = {k: f"{scalars[k]:.3g}" for k in ("learned_reward", "clipfrac", "kl") if k in scalars}  # the objective's own
-            bar.set_postfix(reward=f"{scalars['reward']:.3f}", **shown)
-            stopped = after_iteration(job, state, it + 1, stop)
+            reader_before = job.reader.get_state() if job.reader is not None else None
+            try:
+                state, scalars = iteration(job, state, it)
+                shown = {k: f"{scalars[k]:.3g}" for k in ("learned_reward", "clipfrac", "kl") if k in scalars}  # the objective's own
+                bar.set_postfix(reward=f"{scalars['reward']:.3f}", **shown)
+                stopped = after_iteration(job, state, it + 1, stop)
+            except remote.RewardServerError as e:  # every process is here together (score agreed on it)
+                save_and_stop(job, state, reader_before if int(state.step) == it else None, e)
             if stopped:
                 break
     finally:
+        if job.pool is not None:
+            job.pool.shutdown(wait=False, cancel_futures=True)
         job.ckpt.close()
         job.writer.close()
     return finish(job, state, stopped)
+
+
+def save_and_stop(job: Job, state: TrainState, reader_state: dict | None, error: remote.RewardServerError) -> None:
+    """A reward server failed: save `state` (the iteration it failed in starts again on resume, from the same prompts
+    and noise, so nothing is lost or counted twice), then raise the error with one line naming the server and the step."""
+    step = int(state.step)
+    if job.ckpt.latest_step() != step:
+        meta = {"step": step, "history": job.history}
+        if job.reader is not None:
+            meta["prompt_reader"] = reader_state if reader_state is not None else job.reader.get_state()
+        job.ckpt.save(step, state, meta)
+    raise remote.RewardServerError(error.url, f"{str(error).split(': ', 1)[-1]}; saved a checkpoint at step {step} in "
+                                   f"{job.ckpt.directory}; rerun the same command once the server is back") from None
 
 
 def finish(job: Job, state: TrainState, stopped: str | None) -> dict:

@@ -12,7 +12,9 @@ Host rewards, `(images numpy, prompt rows) -> r [B]`:
 - `learned`: the shipped learned reward (`shapes32_reward`, differentiable in the pixels).
 - `jpeg_compressibility` / `jpeg_incompressibility`: DDPO's model-free rewards (`image.py`), for any world.
 Device rewards (`device.py`, weights from `config.world.reward_models`): `pickscore`, `clipscore`, `aesthetic`.
-New rewards register in `REWARDS` or `device.FACTORIES` (factories, so heavy ones load lazily).
+Remote rewards (`remote.py`, host side; `train.remote_rewards` sets their batch size and deadlines): `remote:NAME@URL`,
+any reward served by `python -m flowrl_jax.rewards.serve`; `flow_grpo:geneval@URL` / `flow_grpo:deqa@URL`, flow_grpo's
+reward-server. New rewards register in `REWARDS` or `device.FACTORIES` (factories, so heavy ones load lazily).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import numpy as np
 
 from flowrl_jax import parallel
 from flowrl_jax.models import clip
-from flowrl_jax.rewards import device, image, learned, shapes_eval
+from flowrl_jax.rewards import device, image, learned, remote, shapes_eval
 
 
 def _exact(field: str) -> Callable:
@@ -55,9 +57,13 @@ REWARDS: dict[str, Callable[[], Callable]] = {  # host rewards
 def check(weighted: Sequence[tuple[str, float]], models: Any = None) -> None:
     """ValueError naming the unknown reward(s), without building any; with `models` (config.world.reward_models), a
     one-line error for a device reward whose weights are not given or not there (no weights are read)."""
-    unknown = [str(n) for n, _ in weighted if str(n) not in REWARDS and str(n) not in device.FACTORIES]
+    unknown = [str(n) for n, _ in weighted if str(n) not in REWARDS and str(n) not in device.FACTORIES and not remote.is_remote(n)]
     if unknown or not weighted:
-        raise ValueError(f"unknown reward(s) {unknown or 'none given'}; known rewards: {sorted(REWARDS) + sorted(device.FACTORIES)}")
+        raise ValueError(f"unknown reward(s) {unknown or 'none given'}; known rewards: {sorted(REWARDS) + sorted(device.FACTORIES)}, "
+                         "or remote:NAME@http://HOST:PORT for a reward server's")
+    for name, _ in weighted:
+        if remote.is_remote(name):
+            remote.parse(str(name))
     for name, _ in weighted:
         if str(name) in device.FACTORIES and models is not None:
             device.check(str(name), models)
@@ -101,24 +107,41 @@ def build_device(weighted: Sequence[tuple[str, float]], models: Any) -> dict[str
     return {str(n): _device_reward(str(n), models)[0] for n, _ in weighted if str(n) in device.FACTORIES}
 
 
-def build(weighted: Sequence[tuple[str, float]], models: Any = None) -> Callable:
-    """`((name, weight), ...)` -> `fn(images, prompts) -> (weighted sum [B] float32, {name: [B]})`, host and device
-    rewards mixed (module doc); `models`: where the device rewards' weights are (config.world.reward_models)."""
+class Weighted:
+    """A weighted sum of rewards: `fn(images, prompts) -> (total [B] float32, {name: [B]})` (this process's rows). Its
+    halves for a loop that scores the host's part early (`train.score_while_sampling`): `host_parts` (host and remote
+    rewards on local numpy rows, any thread), `device_parts` (device rewards on the device batch, the main thread:
+    multi-process programs launch in one order on every process), `total(parts)`."""
+
+    def __init__(self, weighted: list[tuple[str, float]], fns: dict[str, Callable]):
+        self.weighted, self.fns = weighted, fns
+        self.on_host = [n for n, _ in weighted if n not in device.FACTORIES]
+        self.on_device = [n for n, _ in weighted if n in device.FACTORIES]
+
+    def host_parts(self, host_images: np.ndarray, prompts: list) -> dict[str, np.ndarray]:
+        return {n: np.asarray(self.fns[n](host_images, prompts), np.float32) for n in self.on_host}
+
+    def device_parts(self, images, prompts: list) -> dict[str, np.ndarray]:
+        return {n: np.asarray(self.fns[n](images, prompts), np.float32) for n in self.on_device}
+
+    def total(self, parts: dict[str, np.ndarray]) -> np.ndarray:
+        return sum(w * parts[n] for n, w in self.weighted).astype(np.float32)
+
+    def __call__(self, images, prompts) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        parts = {}
+        if self.on_host:
+            parts.update(self.host_parts(parallel.local_rows(images) if isinstance(images, jax.Array) else np.asarray(images), prompts))
+        parts.update(self.device_parts(images, prompts))
+        return self.total(parts), {n: parts[n] for n, _ in self.weighted}
+
+
+def build(weighted: Sequence[tuple[str, float]], models: Any = None, remote_settings: Any = None) -> Weighted:
+    """`((name, weight), ...)` -> `Weighted`: `fn(images, prompts) -> (weighted sum [B] float32, {name: [B]})`, host,
+    device and remote rewards mixed (module doc); `models`: where the device rewards' weights are
+    (config.world.reward_models); `remote_settings`: the remote rewards' (config.train.remote_rewards, `remote.DEFAULTS`)."""
     check(weighted, models)
     weighted = [(str(n), float(w)) for n, w in weighted]
     fns = {n: REWARDS[n]() for n, _ in weighted if n in REWARDS}
+    fns.update({n: remote.build(n, remote_settings) for n, _ in weighted if remote.is_remote(n)})
     fns.update({n: _device_reward(n, models)[1] for n, _ in weighted if n in device.FACTORIES})
-
-    def reward(images, prompts):
-        host = None
-        parts = {}
-        for n, _ in weighted:
-            if n in REWARDS:
-                if host is None:
-                    host = parallel.local_rows(images) if isinstance(images, jax.Array) else np.asarray(images)
-                parts[n] = np.asarray(fns[n](host, prompts), np.float32)
-            else:
-                parts[n] = np.asarray(fns[n](images, prompts), np.float32)
-        return sum(w * parts[n] for n, w in weighted).astype(np.float32), parts
-
-    return reward
+    return Weighted(weighted, fns)

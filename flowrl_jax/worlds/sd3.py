@@ -174,8 +174,8 @@ class SD3World:
         return self.reader
 
     # ---------------------------------------------------------------------------------------- rewards
-    def reward_fn(self, weighted):
-        return rewards.build(weighted, self.world_cfg.reward_models)
+    def reward_fn(self, weighted, remote_settings=None):
+        return rewards.build(weighted, self.world_cfg.reward_models, remote_settings)
 
     def reward_model(self):
         """The latent world's differentiable reward: `train.rewards`' weighted sum of device rewards on the VAE's decode,
@@ -213,7 +213,7 @@ class SD3World:
                 return self.pipe.decode(p["vae"], self.pipe.sample_from(p["dit"], cond, null, noise, e.num_steps, e.cfg, shift))
 
             self._sampler = jax.jit(sample)
-            self._reward_fn = rewards.build(self.rewards, self.world_cfg.reward_models)
+            self._reward_fn = rewards.build(self.rewards, self.world_cfg.reward_models, self.config.train.get("remote_rewards"))
         params = {"dit": dit_params, "text": frozen["text"], "vae": frozen["vae"]}
         rows = [p for p in self.test_prompts for _ in range(e.samples_per_prompt)]
         rng = jax.random.PRNGKey(e.noise_seed)  # the same noise at every eval

@@ -88,8 +88,8 @@ class ShapesWorld:
         names = sorted(by_category)
         return np.array([by_category[c][rng.integers(len(by_category[c]))] for c in (names[i] for i in rng.integers(len(names), size=n))])
 
-    def reward_fn(self, weighted):
-        return rewards.build(weighted, self.reward_models)
+    def reward_fn(self, weighted, remote_settings=None):
+        return rewards.build(weighted, self.reward_models, remote_settings)
 
     def reward_model(self):
         return learned.reward_model()

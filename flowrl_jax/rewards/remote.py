@@ -1,0 +1,195 @@
+"""Rewards scored by a server, named in `train.rewards` like any other:
+
+    ("remote:ocr@http://127.0.0.1:18090", 1.0)          # our server (`serve.py`, `protocol.py`): any registered reward
+    ("flow_grpo:geneval@http://127.0.0.1:18085", 1.0)   # flow_grpo's reward-server: GenEval's `scores` (partial credit)
+    ("flow_grpo:deqa@http://127.0.0.1:18086", 1.0)      # ... and DeQA's `outputs`
+
+A batch goes out in requests of `batch_size` rows (`train.remote_rewards`). Connection errors and 503 (busy) are
+retried with exponential backoff (0.5 s doubling to 8 s) until `deadline_s` has passed since the first failure;
+anything else (a 4xx naming a bad request, a 500 from a reward that raised, no answer within `timeout_s`) fails at
+once. Every failure is a `RewardServerError` naming the URL: the train loop then saves a checkpoint and stops, and the
+same command resumes once the server is back (`train.loop`).
+
+flow_grpo's servers speak pickle both ways. We send what they expect (a pickled dict of JPEG bytes, GenEval's
+metadata rows, `only_strict`) and read the answer with `safe_loads`, an unpickler that admits plain containers,
+strings and numbers only: a pickle that names any class or function (the way pickles run code) is refused.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+import requests
+from PIL import Image
+
+from flowrl_jax.rewards import protocol
+
+KINDS = ("remote", "flow_grpo")
+FLOW_GRPO_REWARDS = ("geneval", "deqa")
+DEFAULTS = dict(deadline_s=300.0, timeout_s=120.0, batch_size=64)  # train.remote_rewards
+BACKOFF_S = (0.5, 8.0)  # first wait, longest wait
+
+
+class RewardServerError(RuntimeError):
+    """A remote reward that could not be scored; `url` names the server."""
+
+    def __init__(self, url: str, message: str):
+        super().__init__(f"reward server {url}: {message}")
+        self.url = url
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    kind: str    # "remote" | "flow_grpo"
+    reward: str  # the reward's name on the server
+    url: str     # http://host:port
+
+
+def is_remote(name: str) -> bool:
+    return str(name).split(":", 1)[0] in KINDS and ":" in str(name)
+
+
+def parse(name: str) -> Spec:
+    """'remote:ocr@http://127.0.0.1:18090' -> Spec; ValueError naming the form when it is not one."""
+    kind, _, rest = str(name).partition(":")
+    reward, at, url = rest.partition("@")
+    ok = kind in KINDS and at and reward and url.startswith(("http://", "https://")) and len(url.split("//", 1)[1]) > 0
+    if not ok:
+        raise ValueError(f"remote reward {name!r}: write it as remote:NAME@http://HOST:PORT (our server) or "
+                         f"flow_grpo:{'|'.join(FLOW_GRPO_REWARDS)}@http://HOST:PORT (flow_grpo's reward-server)")
+    if kind == "flow_grpo" and reward not in FLOW_GRPO_REWARDS:
+        raise ValueError(f"remote reward {name!r}: flow_grpo's reward-server protocol is known for {FLOW_GRPO_REWARDS}, not {reward!r}")
+    return Spec(kind, reward, url.rstrip("/"))
+
+
+def settings(given: Any = None) -> dict:
+    """`train.remote_rewards` merged over DEFAULTS; ValueError naming an unknown key or a non-positive value."""
+    given = dict(given or {})
+    unknown = sorted(set(given) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"train.remote_rewards has no {unknown}; its keys are {sorted(DEFAULTS)}")
+    out = {**DEFAULTS, **given}
+    if min(out.values()) <= 0:
+        raise ValueError(f"train.remote_rewards values must be positive, got {out}")
+    return out
+
+
+_SESSIONS = threading.local()  # one keep-alive session per scoring thread (a requests.Session is not thread-safe)
+
+
+def post(url: str, body: bytes, content_type: str, deadline_s: float, timeout_s: float) -> bytes:
+    """POST with retries on connection errors and 503 until `deadline_s` after the first failure -> the 200 body."""
+    session = getattr(_SESSIONS, "session", None) or requests.Session()
+    _SESSIONS.session = session
+    first_failure, wait = None, BACKOFF_S[0]
+    while True:
+        try:
+            response = session.post(url, data=body, headers={"Content-Type": content_type}, timeout=(min(timeout_s, 10.0), timeout_s))
+            if response.status_code == 200:
+                return response.content
+            if response.status_code != 503:
+                raise RewardServerError(url, f"HTTP {response.status_code}: {protocol.error_message(response.content)}")
+            why = f"busy (503: {protocol.error_message(response.content)})"
+        except requests.ConnectionError as e:
+            why = f"unreachable ({type(e).__name__})"
+        except requests.Timeout:
+            raise RewardServerError(url, f"no answer within {timeout_s:g} s (train.remote_rewards.timeout_s)") from None
+        now = time.monotonic()
+        first_failure = first_failure or now
+        if now - first_failure + wait > deadline_s:
+            raise RewardServerError(url, f"{why} for {now - first_failure:.0f} s, past train.remote_rewards.deadline_s={deadline_s:g}")
+        time.sleep(wait)
+        wait = min(2 * wait, BACKOFF_S[1])
+
+
+def to_pixels(images) -> np.ndarray:
+    """[B, H, W, 3] in [-1, 1] -> uint8, as every image reward quantizes (`image.jpeg_kilobytes`)."""
+    return np.clip(np.round((np.asarray(images, np.float32) + 1.0) * 127.5), 0, 255).astype(np.uint8)
+
+
+def plain_rows(prompts: list) -> list:
+    """Prompt rows as msgpack/pickle-safe plain data (tuples -> lists, numpy scalars -> numbers)."""
+    def plain(v):
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, np.generic):
+            return v.item()
+        return v
+    return [plain(p) for p in prompts]
+
+
+# ------------------------------------------------------------------------------------------- flow_grpo's pickle
+class _PlainUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):  # every pickle that runs code goes through here (GLOBAL / STACK_GLOBAL)
+        raise pickle.UnpicklingError(f"refused: the answer names {module}.{name}; only plain containers, strings and "
+                                     "numbers are accepted")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("refused: persistent ids are not accepted")
+
+
+def safe_loads(data: bytes) -> Any:
+    """pickle.loads admitting only dict/list/tuple/set/str/bytes/int/float/bool/None; UnpicklingError otherwise."""
+    return _PlainUnpickler(io.BytesIO(data)).load()
+
+
+def _jpegs(pixels: np.ndarray) -> list[bytes]:
+    out = []
+    for image in pixels:  # flow_grpo: PIL's JPEG at its default quality (75)
+        buffer = io.BytesIO()
+        Image.fromarray(image).save(buffer, format="JPEG")
+        out.append(buffer.getvalue())
+    return out
+
+
+def _flow_grpo_request(reward: str, pixels: np.ndarray, prompts: list) -> bytes:
+    data = {"images": _jpegs(pixels)}
+    if reward == "geneval":  # flow_grpo rewards.geneval_score: the dataset rows as metadata, only the strict reward in training
+        data.update(meta_datas=plain_rows(prompts), only_strict=True)
+    return pickle.dumps(data, protocol=4)
+
+
+def _flow_grpo_scores(reward: str, answer: bytes, rows: int, url: str) -> np.ndarray:
+    try:
+        message = safe_loads(answer)
+    except Exception as e:
+        raise RewardServerError(url, f"the answer is not a plain pickle ({e})") from None
+    key = "scores" if reward == "geneval" else "outputs"  # what flow_grpo trains on for each
+    values = message.get(key) if isinstance(message, dict) else None
+    if not isinstance(values, (list, tuple)) or len(values) != rows or not all(isinstance(v, (int, float)) for v in values):
+        raise RewardServerError(url, f"the answer's {key!r} is not {rows} numbers: {str(message)[:200]}")
+    return np.asarray(values, np.float32)
+
+
+# ------------------------------------------------------------------------------------------------- the reward
+def build(name: str, given: Any = None) -> Callable:
+    """A host reward `(images [B, H, W, 3] in [-1, 1], prompts) -> float32 [B]` scored by the server `name` names."""
+    spec, cfg = parse(name), settings(given)
+
+    def score(pixels: np.ndarray, prompts: list) -> np.ndarray:
+        if spec.kind == "remote":
+            body = protocol.encode_request(pixels, plain_rows(prompts), [spec.reward])
+            answer = post(spec.url + protocol.SCORE_PATH, body, protocol.CONTENT_TYPE, cfg["deadline_s"], cfg["timeout_s"])
+            try:
+                return protocol.decode_response(answer, [spec.reward], len(prompts))[spec.reward]
+            except protocol.ProtocolError as e:
+                raise RewardServerError(spec.url, str(e)) from None
+        body = _flow_grpo_request(spec.reward, pixels, prompts)
+        answer = post(spec.url, body, "application/octet-stream", cfg["deadline_s"], cfg["timeout_s"])
+        return _flow_grpo_scores(spec.reward, answer, len(prompts), spec.url)
+
+    def reward(images, prompts) -> np.ndarray:
+        pixels, size = to_pixels(images), int(cfg["batch_size"])
+        if len(pixels) != len(prompts):
+            raise ValueError(f"{name}: {len(pixels)} images but {len(prompts)} prompts")
+        parts = [score(pixels[i:i + size], list(prompts[i:i + size])) for i in range(0, len(pixels), size)]
+        return np.concatenate(parts) if parts else np.zeros((0,), np.float32)
+
+    return reward
