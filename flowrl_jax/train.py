@@ -107,6 +107,7 @@ def validate(config):
         remote.settings(config.train.get("remote_rewards"))
         sampler_levels(s)
         world = worlds.build(config)
+        rewards.check_prompts(config.train.rewards, world.train_prompts)  # e.g. OCR's quoted text: before the run, not mid-run
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
     if config.train.get("score_while_sampling") and not config.train.rollout_chunk:

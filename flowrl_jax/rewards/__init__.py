@@ -11,6 +11,8 @@ Host rewards, `(images numpy, prompt rows) -> r [B]`:
 - `shapes_strict`: its 0/1 GenEval correctness.
 - `learned`: the shipped learned reward (`shapes32_reward`, differentiable in the pixels).
 - `jpeg_compressibility` / `jpeg_incompressibility`: DDPO's model-free rewards (`image.py`), for any world.
+- `ocr`: flow_grpo's OCR reward, the edit distance of what an OCR engine reads to the prompt's quoted text (`ocr.py`;
+  `pip install -r requirements-ocr.txt`); its prompts are checked for quoted text before the run (`check_prompts`).
 Device rewards (`device.py`, weights from `config.world.reward_models`): `pickscore`, `clipscore`, `aesthetic`.
 Remote rewards (`remote.py`, host side; `train.remote_rewards` sets their batch size and deadlines): `remote:NAME@URL`,
 any reward served by `python -m flowrl_jax.rewards.serve`; `flow_grpo:geneval@URL` / `flow_grpo:deqa@URL`, flow_grpo's
@@ -26,7 +28,7 @@ import numpy as np
 
 from flowrl_jax import parallel
 from flowrl_jax.models import clip
-from flowrl_jax.rewards import device, image, learned, remote, shapes_eval
+from flowrl_jax.rewards import device, image, learned, ocr, remote, shapes_eval
 
 
 def _exact(field: str) -> Callable:
@@ -51,7 +53,9 @@ REWARDS: dict[str, Callable[[], Callable]] = {  # host rewards
     "learned": _learned,
     "jpeg_compressibility": lambda: image.jpeg_compressibility,
     "jpeg_incompressibility": lambda: image.jpeg_incompressibility,
+    "ocr": lambda: ocr.reward,
 }
+PROMPT_CHECKS: dict[str, Callable] = {"ocr": ocr.check_prompts}  # what a reward needs of every prompt, checked up front
 
 
 def check(weighted: Sequence[tuple[str, float]], models: Any = None) -> None:
@@ -67,6 +71,14 @@ def check(weighted: Sequence[tuple[str, float]], models: Any = None) -> None:
     for name, _ in weighted:
         if str(name) in device.FACTORIES and models is not None:
             device.check(str(name), models)
+
+
+def check_prompts(weighted: Sequence[tuple[str, float]], rows) -> None:
+    """ValueError when a reward of `weighted` (local or served: `remote:ocr@...`) cannot score these prompt rows."""
+    for name, _ in weighted:
+        served = remote.parse(str(name)).reward if remote.is_remote(name) else str(name)
+        if served in PROMPT_CHECKS:
+            PROMPT_CHECKS[served](rows)
 
 
 class _OnDevice:

@@ -82,14 +82,15 @@ def settings(given: Any = None) -> dict:
 _SESSIONS = threading.local()  # one keep-alive session per scoring thread (a requests.Session is not thread-safe)
 
 
-def post(url: str, body: bytes, content_type: str, deadline_s: float, timeout_s: float) -> bytes:
-    """POST with retries on connection errors and 503 until `deadline_s` after the first failure -> the 200 body."""
+def post(url: str, path: str, body: bytes, content_type: str, deadline_s: float, timeout_s: float) -> bytes:
+    """POST `url + path` with retries on connection errors and 503 until `deadline_s` after the first failure -> the
+    200 body; RewardServerError naming `url` otherwise."""
     session = getattr(_SESSIONS, "session", None) or requests.Session()
     _SESSIONS.session = session
     first_failure, wait = None, BACKOFF_S[0]
     while True:
         try:
-            response = session.post(url, data=body, headers={"Content-Type": content_type}, timeout=(min(timeout_s, 10.0), timeout_s))
+            response = session.post(url + path, data=body, headers={"Content-Type": content_type}, timeout=(min(timeout_s, 10.0), timeout_s))
             if response.status_code == 200:
                 return response.content
             if response.status_code != 503:
@@ -176,13 +177,13 @@ def build(name: str, given: Any = None) -> Callable:
     def score(pixels: np.ndarray, prompts: list) -> np.ndarray:
         if spec.kind == "remote":
             body = protocol.encode_request(pixels, plain_rows(prompts), [spec.reward])
-            answer = post(spec.url + protocol.SCORE_PATH, body, protocol.CONTENT_TYPE, cfg["deadline_s"], cfg["timeout_s"])
+            answer = post(spec.url, protocol.SCORE_PATH, body, protocol.CONTENT_TYPE, cfg["deadline_s"], cfg["timeout_s"])
             try:
                 return protocol.decode_response(answer, [spec.reward], len(prompts))[spec.reward]
             except protocol.ProtocolError as e:
                 raise RewardServerError(spec.url, str(e)) from None
         body = _flow_grpo_request(spec.reward, pixels, prompts)
-        answer = post(spec.url, body, "application/octet-stream", cfg["deadline_s"], cfg["timeout_s"])
+        answer = post(spec.url, "", body, "application/octet-stream", cfg["deadline_s"], cfg["timeout_s"])
         return _flow_grpo_scores(spec.reward, answer, len(prompts), spec.url)
 
     def reward(images, prompts) -> np.ndarray:

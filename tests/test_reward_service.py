@@ -1,0 +1,250 @@
+"""The reward service on loopback, real processes: our server and client (scores equal to the rewards computed here,
+bad payloads answered 4xx with the server still up, concurrent clients all answered), flow_grpo's GenEval protocol
+against a stand-in (its metadata rows passed through; a malicious pickle refused, nothing in it run), and the train
+loop on a remote reward: scoring overlapped with sampling equals scoring after it, and a server outage saves, stops
+and resumes bit-equal to an uninterrupted run."""
+import concurrent.futures
+import io
+import json
+import os
+import pickle
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import chex
+import msgpack
+import numpy as np
+import pytest
+import requests
+from PIL import Image
+
+from flowrl_jax import main, train
+from flowrl_jax.data import shapes
+from flowrl_jax.rewards import image, protocol, remote, shapes_eval
+from tests.conftest import load_config
+from tests.test_train import TINY, _state
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SERVE = [sys.executable, "-m", "flowrl_jax.rewards.serve"]
+STANDIN = [sys.executable, os.path.join(ROOT, "tests", "flow_grpo_standin.py")]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(command, port, health="/health", timeout_s=120):
+    """A server process on loopback, returned once `health` answers (bounded); its output goes to the test's log."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": ROOT}
+    proc = subprocess.Popen(command + ["--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{command} exited {proc.returncode}: {proc.stdout.read().decode()[-2000:]}")
+        try:
+            if requests.get(f"http://127.0.0.1:{port}{health}", timeout=2).status_code == 200:
+                return proc
+        except requests.ConnectionError:
+            time.sleep(0.2)
+    proc.kill()
+    raise TimeoutError(f"{command} did not answer {health} within {timeout_s} s")
+
+
+def _stop(proc):
+    proc.kill()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port, log = _free_port(), tmp_path_factory.mktemp("serve") / "requests.jsonl"
+    proc = _start(SERVE + ["--reward", "shapes_score,jpeg_compressibility", "--max_batch", "32", "--max_body_mb", "1",
+                           "--max_pending", "2", "--log", str(log)], port)
+    yield f"http://127.0.0.1:{port}"
+    _stop(proc)
+
+
+def _scenes(n, seed=0):
+    rows = shapes.load_prompts("test")[:n]
+    return shapes.render_batch([r["spec"] for r in rows], np.random.default_rng(seed)).astype(np.float32), rows
+
+
+def test_scores_equal_the_rewards_computed_here_on_the_same_pixels(server):
+    images, rows = _scenes(12)
+    pixels = remote.to_pixels(images)
+    served = pixels.astype(np.float32) / 127.5 - 1.0  # what the server scores: the images at 8 bits
+    expected = shapes_eval.evaluate(served, [r["spec"] for r in rows])["score"]
+    assert expected.min() < 1 or expected.max() > 0  # not a constant a broken transport could also give
+    got = remote.build(f"remote:shapes_score@{server}", {"batch_size": 5})(images, rows)  # 3 requests: 5 + 5 + 2 rows
+    np.testing.assert_array_equal(got, expected)  # the same function on the same pixels: equal, not close
+    np.testing.assert_array_equal(remote.build(f"remote:jpeg_compressibility@{server}")(images, rows),
+                                  image.jpeg_compressibility(served, rows))
+    health = requests.get(server + protocol.HEALTH_PATH, timeout=5).json()
+    assert health["rewards"] == ["jpeg_compressibility", "shapes_score"] and health["version"] == protocol.VERSION
+
+
+def _post(server, body, content_type=protocol.CONTENT_TYPE):
+    return requests.post(server + protocol.SCORE_PATH, data=body, headers={"Content-Type": content_type}, timeout=30)
+
+
+def test_bad_payloads_get_a_4xx_naming_the_problem_and_the_server_stays_up(server):
+    pixels = np.zeros((2, 8, 8, 3), np.uint8)
+    good = {"version": 1, "images": {"dtype": "uint8", "shape": [2, 8, 8, 3], "data": pixels.tobytes()}, "prompts": ["a", "b"]}
+    pack = lambda **change: msgpack.packb({**good, **change})  # noqa: E731
+    bomb = io.BytesIO()
+    Image.new("RGB", (4000, 1)).save(bomb, format="PNG")  # a side over the cap: refused before its pixels are decoded
+    cases = [
+        (b"\x93garbled\xff\x00", 400, "not msgpack"),
+        (msgpack.packb([1, 2, 3]), 400, "must be a msgpack map"),
+        (pack(version=2), 400, "version 2 is not supported"),
+        (pack(images={"dtype": "float32", "shape": [2, 8, 8, 3], "data": b""}), 400, "dtype must be 'uint8'"),
+        (pack(images={"dtype": "uint8", "shape": ["2", 8, 8, 3], "data": b""}), 400, r"shape must be \[B, H, W, 3\]"),
+        (pack(images={"dtype": "uint8", "shape": [2, 8, 8, 3], "data": b"short"}), 400, "must be 384 bytes"),
+        (pack(prompts=["only one"]), 400, "2 prompts"),
+        (pack(prompts=[1, 2]), 400, "prompts\\[0\\] must be a string or a map"),
+        (pack(rewards=["no_such"]), 422, "unknown reward.*no_such.*serves"),
+        (pack(images={"dtype": "uint8", "shape": [40, 1, 1, 3], "data": bytes(120)}, prompts=["p"] * 40), 413, "cap is 32"),
+        (pack(images={"png": [bomb.getvalue()]}, prompts=["p"]), 413, "cap is 2048 per side"),
+        (pack(images={"png": [b"not a png"]}, prompts=["p"]), 400, "not a readable PNG"),
+        (msgpack.packb(msgpack.ExtType(5, b"x")), 400, "extension type 5"),
+        (bytes(2 << 20), 413, "over the cap"),  # 2 MB against --max_body_mb 1
+    ]
+    for body, status, message in cases:
+        answer = _post(server, body)
+        assert answer.status_code == status, (message, answer.status_code, protocol.error_message(answer.content))
+        assert re.search(message, protocol.error_message(answer.content)), protocol.error_message(answer.content)
+    assert _post(server, pack(), "application/json").status_code == 415
+    png = io.BytesIO()
+    Image.fromarray(np.full((8, 8, 3), 255, np.uint8)).save(png, format="PNG")
+    ok = _post(server, pack(images={"png": [png.getvalue()] * 2}, rewards=["jpeg_compressibility"]))  # the protocol's other form
+    assert ok.status_code == 200 and len(protocol.decode_response(ok.content, ["jpeg_compressibility"], 2)["jpeg_compressibility"]) == 2
+    failed = _post(server, pack(rewards=["shapes_score"]))  # a reward that raises (plain-string prompts carry no spec): a 500
+    assert failed.status_code == 500 and "reward failed on this batch" in protocol.error_message(failed.content)
+    assert requests.get(server + protocol.HEALTH_PATH, timeout=5).status_code == 200
+
+
+def test_concurrent_clients_are_all_answered_correctly(server):
+    """8 clients x 4 requests against a server that queues 2 batches and answers 503 past that: the client's backoff
+    retries the 503s, and every request gets its own images' scores."""
+    reward = remote.build(f"remote:jpeg_compressibility@{server}", {"deadline_s": 120})
+    rng = np.random.default_rng(0)
+    batches = [rng.uniform(-1, 1, (4, 16, 16, 3)).astype(np.float32) for _ in range(32)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda b: reward(b, ["p"] * 4), batches))
+    for b, got in zip(batches, answers):
+        np.testing.assert_array_equal(got, image.jpeg_compressibility(remote.to_pixels(b) / 127.5 - 1.0, None))
+
+
+def test_client_errors_name_the_server(server):
+    with pytest.raises(remote.RewardServerError, match=f"{server}: HTTP 422: unknown reward"):
+        remote.build(f"remote:pickscore@{server}")(np.zeros((1, 8, 8, 3), np.float32), ["p"])
+    url = f"http://127.0.0.1:{_free_port()}"  # nobody listens: retried until the deadline, then one message
+    start = time.monotonic()
+    with pytest.raises(remote.RewardServerError, match=f"reward server {url}: unreachable .* past train.remote_rewards.deadline_s=1"):
+        remote.build(f"remote:ocr@{url}", {"deadline_s": 1})(np.zeros((1, 8, 8, 3), np.float32), ["p"])
+    assert time.monotonic() - start < 5
+    for bad in ("remote:ocr", "remote:@http://x", "flow_grpo:hps@http://x", "remote:ocr@ftp://x"):
+        with pytest.raises(ValueError, match="remote reward"):
+            remote.parse(bad)
+
+
+# ------------------------------------------------------------------------------------- flow_grpo's reward-server
+def test_flow_grpo_geneval_protocol_against_a_standin_with_metadata_passed_through(tmp_path):
+    port, log = _free_port(), tmp_path / "metadata.jsonl"
+    proc = _start(STANDIN + ["--log", str(log)], port)
+    try:
+        images, rows = _scenes(6, seed=1)
+        rows = [{**r, "tag": r["category"], "include": [{"class": "circle", "count": 1}]} for r in rows]  # GenEval's fields
+        got = remote.build(f"flow_grpo:geneval@http://127.0.0.1:{port}", {"batch_size": 4})(images, rows)
+    finally:
+        _stop(proc)
+    # What that server scores: flow_grpo's JPEG (PIL's default quality) of the 8-bit images, decoded again
+    jpegs = [Image.open(io.BytesIO(b)).convert("RGB") for b in remote._jpegs(remote.to_pixels(images))]
+    expected = shapes_eval.evaluate(np.stack([np.asarray(j) for j in jpegs]).astype(np.float32) / 127.5 - 1.0,
+                                    [r["spec"] for r in rows])["score"]
+    np.testing.assert_array_equal(got, expected)
+    assert [json.loads(line) for line in open(log)] == json.loads(json.dumps(rows))  # every row whole, in order
+
+
+def test_a_malicious_pickle_is_refused_and_nothing_in_it_runs(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from flow_grpo_standin import Hostile
+
+    control = tmp_path / "control"
+    pickle.loads(pickle.dumps({"scores": [Hostile(str(control))]}))  # plain pickle runs it: the payload is real
+    assert control.exists()
+    target = tmp_path / "pwned"
+    with pytest.raises(pickle.UnpicklingError, match="refused: the answer names posix.open"):
+        remote.safe_loads(pickle.dumps({"scores": [Hostile(str(target))]}))
+    assert remote.safe_loads(pickle.dumps({"scores": [0.5, 1], "group_rewards": {"a": (1.0, None)}})) == \
+        {"scores": [0.5, 1], "group_rewards": {"a": (1.0, None)}}
+    port = _free_port()
+    proc = _start(STANDIN + ["--malicious", str(target)], port)
+    try:
+        with pytest.raises(remote.RewardServerError, match="not a plain pickle .*refused"):
+            remote.build(f"flow_grpo:geneval@http://127.0.0.1:{port}")(np.zeros((2, 8, 8, 3), np.float32), [{"spec": {}}] * 2)
+    finally:
+        _stop(proc)
+    assert not target.exists()
+
+
+# ------------------------------------------------------------------------------------------------- the train loop
+FIELDS = {**TINY, "train.iterations": 3, "train.prompts_per_iteration": 4, "train.rollout_chunk": 8}  # 16 rows, 2 chunks
+
+
+def _train(base, workdir, url, **fields):
+    return main.run_job(load_config("configs/flow_grpo.py", **{"world.base": base, **FIELDS,
+                                                                "train.rewards": ((f"remote:shapes_score@{url}", 1.0),), **fields}), str(workdir))
+
+
+def _rows(workdir):
+    return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl")) if '"reward"' in line]
+
+
+def test_train_on_a_remote_reward_overlapped_equals_scoring_after_the_rollout(smoke_base, server, tmp_path):
+    _train(smoke_base, tmp_path / "after", server)
+    _train(smoke_base, tmp_path / "overlapped", server, **{"train.score_while_sampling": True})
+    after, overlapped = _rows(tmp_path / "after"), _rows(tmp_path / "overlapped")
+    assert len(after) == 3 and [r["reward"] for r in after] == [r["reward"] for r in overlapped]
+    chex.assert_trees_all_equal(_state(str(tmp_path / "after")), _state(str(tmp_path / "overlapped")))
+
+
+def test_server_outage_saves_stops_and_the_same_command_resumes_bit_equal(smoke_base, server, tmp_path, monkeypatch):
+    """The server dies after iteration 1: iteration 2's requests are retried until the deadline, the run
+    saves step 1 and stops naming the URL; with a new server on the same port the same command resumes and ends
+    bit-equal to an uninterrupted run, so no sample was lost or counted twice."""
+    overlapped = {"train.score_while_sampling": True}
+    _train(smoke_base, tmp_path / "uninterrupted", server, **overlapped)
+    port, log = _free_port(), tmp_path / "requests.jsonl"
+    url = f"http://127.0.0.1:{port}"
+    command = SERVE + ["--reward", "shapes_score", "--log", str(log)]
+    procs = [_start(command, port)]
+    real_after = train.after_iteration
+
+    def after_iteration(job, state, done, stop):
+        if done == 1:
+            _stop(procs[0])  # between iterations 1 and 2, from the main thread: no request is in flight
+        return real_after(job, state, done, stop)
+
+    monkeypatch.setattr(train, "after_iteration", after_iteration)
+    resumed = {**overlapped, "train.remote_rewards.deadline_s": 2.0}
+    try:
+        with pytest.raises(remote.RewardServerError) as stopped:
+            _train(smoke_base, tmp_path / "run", url, **resumed)
+        assert f"reward server {url}: unreachable" in str(stopped.value) and "saved a checkpoint at step 1" in str(stopped.value)
+        assert "\n" not in str(stopped.value)
+        scored_before = sum(json.loads(line)["rows"] for line in open(log))
+        assert scored_before == 16  # iteration 1's rows
+        procs.append(_start(command, port))
+        out = _train(smoke_base, tmp_path / "run", url, **resumed)
+    finally:
+        _stop(procs[-1])
+    assert out["step"] == 3
+    assert sum(json.loads(line)["rows"] for line in open(log)) - scored_before == 2 * 16  # iterations 2 and 3, whole
+    chex.assert_trees_all_equal(_state(str(tmp_path / "uninterrupted")), _state(str(tmp_path / "run")))
+    assert [r["reward"] for r in _rows(tmp_path / "run")] == [r["reward"] for r in _rows(tmp_path / "uninterrupted")]
