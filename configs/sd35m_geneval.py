@@ -6,9 +6,12 @@
         --config.world.pipeline=/path/to/stable-diffusion-3.5-medium \\
         --config.world.train_prompts=data/geneval --config.world.test_prompts=data/geneval
 
-The GenEval reward needs an object detector that is not in this library yet (README "Real models"): until a
-GenEval reward is registered (`rewards.REWARDS`, local or behind a server), `--config.train.rewards` picks
-what to optimise; the default is the model-free JPEG compressibility, so the preset runs end to end.
+GenEval's detector (mmdet Mask2Former) is not in this library; flow_grpo's reward-server runs it. Point the trainer at
+the server you already run (its pickle answers are read with an unpickler that admits only plain data, README "Rewards"):
+
+    ... --config.train.rewards="(('flow_grpo:geneval@http://127.0.0.1:18085', 1.0),)" --config.train.score_while_sampling=True
+
+Without it the default reward is the model-free JPEG compressibility, so the preset runs end to end.
 The argument picks the memory plan of the hardware (`config_lib.MEMORY_PLANS`: v5p-8 (default), v6e-8, gpu, v5p-64, v6e-64;
 README "Memory plan").
 """

@@ -164,7 +164,7 @@ def setup(config, workdir: str, world) -> tuple[Job, TrainState]:
         dit, base = world.load()
         credit = credit_lib.build(config.credit.names, config.credit, config.advantage.global_std, config.advantage.clip)
         reward_fn = world.reward_fn(t_cfg.rewards, t_cfg.get("remote_rewards"))
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ImportError) as e:  # ImportError: a reward's optional package (OCR)
         raise ConfigError(str(e).splitlines()[0]) from None
     steps = Steps(config, mesh, world, dit, base, credit, len(world.train_prompts))
     paths.makedirs(workdir)

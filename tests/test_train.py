@@ -152,7 +152,11 @@ def test_bad_inputs_are_one_line_errors_and_nothing_saved_changes(smoke_base, tm
              ({"world.base": str(tmp_path / "no_base")}, "cannot load the base model"),
              ({"world.base": str(corrupt)}, "cannot load the base model"),
              ({"sampler.kind": "ode"}, "cannot be trained on"),
-             ({"train.lr_schedule": "linear"}, "lr_schedule='linear' is not a schedule")]
+             ({"train.lr_schedule": "linear"}, "lr_schedule='linear' is not a schedule"),
+             ({"train.rewards": (("ocr", 1.0),)}, "prompts have no text between double quotes"),  # the shapes prompts
+             ({"train.rewards": (("remote:ocr@ftp://host", 1.0),)}, "write it as remote:NAME@http://HOST:PORT"),
+             ({"train.remote_rewards.deadline_s": -1.0}, "must be positive"),
+             ({"train.score_while_sampling": True}, "set train.rollout_chunk")]
     for fields, message in cases:
         with pytest.raises(ConfigError, match=message) as e:
             _run(smoke_base, workdir, **fields)

@@ -12,7 +12,8 @@ Host rewards, `(images numpy, prompt rows) -> r [B]`:
 - `learned`: the shipped learned reward (`shapes32_reward`, differentiable in the pixels).
 - `jpeg_compressibility` / `jpeg_incompressibility`: DDPO's model-free rewards (`image.py`), for any world.
 - `ocr`: flow_grpo's OCR reward, the edit distance of what an OCR engine reads to the prompt's quoted text (`ocr.py`;
-  `pip install -r requirements-ocr.txt`); its prompts are checked for quoted text before the run (`check_prompts`).
+  RapidOCR's PP-OCRv4, `pip install -r requirements-ocr.txt`; `ocr_paddleocr`: PaddleOCR 2.x, as flow_grpo runs it);
+  its prompts are checked for quoted text before the run (`check_prompts`).
 Device rewards (`device.py`, weights from `config.world.reward_models`): `pickscore`, `clipscore`, `aesthetic`.
 Remote rewards (`remote.py`, host side; `train.remote_rewards` sets their batch size and deadlines): `remote:NAME@URL`,
 any reward served by `python -m flowrl_jax.rewards.serve`; `flow_grpo:geneval@URL` / `flow_grpo:deqa@URL`, flow_grpo's
@@ -47,15 +48,21 @@ def _learned() -> Callable:
     return reward
 
 
+def _ocr(engine: str) -> Callable:
+    recognize = ocr.get_engine(engine)  # built now: a missing package is an ImportError at setup, not mid-run
+    return lambda images, prompts: ocr.reward(images, prompts, recognize)
+
+
 REWARDS: dict[str, Callable[[], Callable]] = {  # host rewards
     "shapes_score": lambda: _exact("score"),
     "shapes_strict": lambda: _exact("strict"),
     "learned": _learned,
     "jpeg_compressibility": lambda: image.jpeg_compressibility,
     "jpeg_incompressibility": lambda: image.jpeg_incompressibility,
-    "ocr": lambda: ocr.reward,
+    "ocr": lambda: _ocr("rapidocr"),
+    "ocr_paddleocr": lambda: _ocr("paddleocr"),
 }
-PROMPT_CHECKS: dict[str, Callable] = {"ocr": ocr.check_prompts}  # what a reward needs of every prompt, checked up front
+PROMPT_CHECKS: dict[str, Callable] = {"ocr": ocr.check_prompts, "ocr_paddleocr": ocr.check_prompts}  # checked before the run
 
 
 def check(weighted: Sequence[tuple[str, float]], models: Any = None) -> None:
