@@ -4,17 +4,18 @@
 # JAX_PACKAGE is the jax requirement installed next to requirements.txt (default the TPU build, "jax[tpu]>=0.8,<0.13";
 # the simulated pod passes plain "jax>=0.8,<0.13"). The TPU images' python3 is 3.10 and flowrl_jax needs >= 3.11: uv
 # (installed per worker with `python3 -m pip install --user uv`) makes the venv and brings a 3.11 interpreter when the
-# image has none. Running it again updates the code and the packages; the venv is kept.
+# image has none. Running it again updates the code and the packages; the venv is kept. WITH_OCR=1 also installs the
+# OCR reward's engine (requirements-ocr.txt), for the `ocr` reward or a reward server serving it on the workers.
 set -euo pipefail
-: "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}" "${JAX_PACKAGE:=jax[tpu]>=0.8,<0.13}"
+: "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}" "${JAX_PACKAGE:=jax[tpu]>=0.8,<0.13}" "${WITH_OCR:=0}"
 cd "$(dirname "$0")/.."
 
 # scp copies into ~/flowrl_jax/ only once that folder exists on the worker.
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --worker=all --command="mkdir -p ~/flowrl_jax"
 gcloud compute tpus tpu-vm scp --recurse --zone="$ZONE" --worker=all \
-  flowrl_jax configs requirements.txt pyproject.toml README.md "$TPU_NAME":~/flowrl_jax/
+  flowrl_jax configs requirements.txt requirements-ocr.txt pyproject.toml README.md "$TPU_NAME":~/flowrl_jax/
 
-remote="JAX_PACKAGE=$(printf '%q' "$JAX_PACKAGE")
+remote="JAX_PACKAGE=$(printf '%q' "$JAX_PACKAGE") WITH_OCR=$(printf '%q' "$WITH_OCR")
 $(cat <<'REMOTE'
 set -euo pipefail
 cd ~/flowrl_jax
@@ -25,6 +26,7 @@ if ! python3 -m uv --version >/dev/null 2>&1; then
 fi
 [ -x .venv/bin/python ] || python3 -m uv venv --python 3.11 .venv
 python3 -m uv pip install --python .venv/bin/python -r requirements.txt "$JAX_PACKAGE" gcsfs google-cloud-storage
+if [ "$WITH_OCR" = 1 ]; then python3 -m uv pip install --python .venv/bin/python -r requirements-ocr.txt; fi
 python3 -m uv pip install --python .venv/bin/python --no-deps -e .
 .venv/bin/python -c 'import sys, jax, flowrl_jax; print("python", sys.version.split()[0], "jax", jax.__version__, jax.default_backend(), jax.local_device_count(), "local devices")'
 REMOTE
