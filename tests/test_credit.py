@@ -60,6 +60,12 @@ def test_turning_point_rules_on_hand_written_sequences():
     rc = jnp.array([v[0] for v in rows.values()])
     rn = jnp.array([v[1] for v in rows.values()])
     np.testing.assert_array_equal(turning_point.turning_points(rc, rn), [v[2] for v in rows.values()])
+    # Without TP-GRPO's consistent-trajectory selection (its config defaults): "none" dips at k=1 (d = .2, -.1, .05; D_g
+    # .15) after heading to R_n at k=0 (s_0 > 0), so k=0 turns although R_n (.25) is below R_1 (.3); k=2 turns after
+    # s_1 < 0 < s_2 although R_n - R_3 = 0. "good", "bad", "initial" keep theirs, "flat_end" (all d = 0) has none.
+    loose = turning_point.turning_points(rc, rn, consistent_first_step=False, consistent_inter_step=False)
+    np.testing.assert_array_equal(loose, [[True, False, True], [False, True, False], [False, True, False], [True, False, True],
+                                          [False, False, False]])
 
 
 def test_balanced_bonus_keeps_equal_numbers_of_each_sign_largest_global_trend_first():
@@ -87,14 +93,20 @@ def test_balanced_bonus_keeps_every_turning_point_when_only_one_sign_is_present(
 
 def test_turning_point_advantage_sits_on_the_trained_steps_group_normalized():
     ro = _ro(num_steps=5, window=(1, 3))
-    rc = np.random.default_rng(1).uniform(size=(6, 3)).astype(np.float32)
-    rn = np.random.default_rng(2).uniform(size=6).astype(np.float32)
+    rc = np.array([[0.5, 0.3, 0.6], [0.1, 0.3, 0.2], [0.5, 0.7, 0.4],    # group 0: good turn at k=1 (D_g .4), none, bad turn
+                   [0.2, 0.2, 0.2], [0.1, 0.4, 0.3], [0.6, 0.5, 0.55]], np.float32)  # at k=1 (D_g -.4); group 1: none,
+    rn = np.array([0.9, 0.25, 0.1, 0.2, 0.6, 0.7], np.float32)  # initial turn k=0 (D_g .5), good turn at k=1 (D_g .1)
+    # By hand: 3 good turning points (rows 0, 4, 5) and 1 bad (row 2): the balanced bonus keeps one of each, the good one
+    # with the largest |D_g| (row 4, .5). Kept: R~_k = R_n - R_k; everywhere else d_k = R_{k+1} - R_k.
+    r_tilde = np.array([[0.3 - 0.5, 0.6 - 0.3, 0.9 - 0.6], [0.3 - 0.1, 0.2 - 0.3, 0.25 - 0.2], [0.7 - 0.5, 0.1 - 0.7, 0.1 - 0.4],
+                        [0.0, 0.0, 0.0], [0.6 - 0.1, 0.3 - 0.4, 0.6 - 0.3], [0.5 - 0.6, 0.55 - 0.5, 0.7 - 0.55]])
+    _, kept = turning_point.step_rewards(jnp.asarray(rc), jnp.asarray(rn))
+    np.testing.assert_array_equal(np.flatnonzero(kept), [7, 12])  # row 2 step 1, row 4 step 0
     adv, _ = _apply(("turning_point",), {"rollout": ro, "turning_point": {"completion_rewards": jnp.asarray(rc)}}, rn)
-    r_tilde, _ = turning_point.step_rewards(jnp.asarray(rc), jnp.asarray(rn))
     assert adv.shape == (6, 5, 1)
     np.testing.assert_array_equal(adv[:, [0, 4], 0], 0.0)
-    for k, t in enumerate([1, 2, 3]):
-        np.testing.assert_allclose(adv[:, t, 0], _group_norm(np.asarray(r_tilde[:, k]), group_std=True), rtol=1e-4, atol=1e-5)
+    for k, t in enumerate([1, 2, 3]):  # rtol 1e-4: float32 differences of O(1) rewards over a group std >= 0.05 (a few ulp / 0.05)
+        np.testing.assert_allclose(adv[:, t, 0], _group_norm(r_tilde[:, k], group_std=True), rtol=1e-4, atol=1e-5)
 
 
 def test_ode_completions_equal_the_ode_sampler_from_each_state():

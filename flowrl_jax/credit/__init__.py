@@ -48,7 +48,7 @@ class Scheme(NamedTuple):
 SCHEMES: dict[str, Scheme] = {
     "uniform": Scheme(group.uniform),
     "stepwise": Scheme(stepwise.apply, prepare=stepwise.prepare, needs=frozenset({"step"})),
-    "turning_point": Scheme(turning_point.apply, prepare=turning_point.prepare, needs=frozenset({"step"})),
+    "turning_point": Scheme(turning_point.apply, prepare=turning_point.prepare, defaults=turning_point.DEFAULTS, needs=frozenset({"step"})),
     "spatial": Scheme(spatial.apply, prepare=spatial.prepare, defaults=spatial.DEFAULTS, needs=frozenset({"step", "token"}),
                       debug_images=spatial.debug_images, check=spatial.check),
     "adaptive": Scheme(adaptive.apply, init=adaptive.init, defaults=adaptive.DEFAULTS),

@@ -6,6 +6,11 @@ For each sample, with the trajectory's `m` SDE (trained) steps:
     d_k = R_{k+1} - R_k,   D_g = R_n - R_0,   s_k = sign(d_k) sign(D_g)
     turning point: k = 0: sign(d_0) sign(R_n - R_1) > 0;
                    k >= 1: s_{k-1} < 0, s_k > 0 and sign(d_k) sign(R_n - R_{k+1}) > 0
+The `sign(d_k) sign(R_n - R_{k+1}) > 0` terms are TP-GRPO's consistent-trajectory selection (the step moves toward
+R_n and R_n is still ahead). Options (`DEFAULTS`, `config.credit.turning_point`), as its launch scripts
+(`scripts/single_node/common_op3.sh`) set them, where its `config/my_grpo.py` defaults have them off:
+`consistent_first_step` (False: k = 0 is a turning point when s_0 > 0) and `consistent_inter_step` (False: k >= 1
+needs only s_{k-1} < 0 < s_k).
     R~_k = R_n - R_k at a turning point, else d_k
 Balanced bonus, as TP-GRPO's public code (`use_balanced_bonus`): when turning points of both signs of
 `D_g` are present in the batch, keep `min(#pos, #neg)` of each sign, those with the largest `|D_g|` (ties:
@@ -22,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+DEFAULTS = {"consistent_first_step": True, "consistent_inter_step": True}
+
 
 def prepare(ctx, options) -> dict:
     """-> {"completion_rewards": [B, m]}: rewards of the ODE completions from each trained step's state."""
@@ -30,22 +37,23 @@ def prepare(ctx, options) -> dict:
     return {"completion_rewards": ctx.rewards_of(completions)}
 
 
-def turning_points(completion_rewards, final_rewards):
+def turning_points(completion_rewards, final_rewards, consistent_first_step: bool = True, consistent_inter_step: bool = True):
     """`R_0..R_{m-1}` [B, m] and `R_n` [B] -> [B, m] bool: the turning points before balancing (module doc)."""
     r_n = final_rewards[:, None]
     r = jnp.concatenate([completion_rewards, r_n], axis=1)  # [B, m + 1]
     d = r[:, 1:] - r[:, :-1]
     s = jnp.sign(d) * jnp.sign(r[:, -1] - r[:, 0])[:, None]
     toward_end = jnp.sign(d) * jnp.sign(r_n - r[:, 1:]) > 0  # [B, m]: the step moves toward R_n and R_n is still ahead
-    later = (s[:, :-1] < 0) & (s[:, 1:] > 0) & toward_end[:, 1:]
-    return jnp.concatenate([toward_end[:, :1], later], axis=1)
+    later = (s[:, :-1] < 0) & (s[:, 1:] > 0) & (toward_end[:, 1:] if consistent_inter_step else True)
+    first = toward_end[:, :1] if consistent_first_step else s[:, :1] > 0
+    return jnp.concatenate([first, later], axis=1)
 
 
-def step_rewards(completion_rewards, final_rewards):
-    """-> (R~ [B, m], the turning points kept by the balanced bonus [B, m]) (module doc)."""
+def step_rewards(completion_rewards, final_rewards, **selection):
+    """-> (R~ [B, m], the turning points kept by the balanced bonus [B, m]) (module doc); `selection`: DEFAULTS' flags."""
     r = jnp.concatenate([completion_rewards, final_rewards[:, None]], axis=1)
     d = r[:, 1:] - r[:, :-1]
-    keep = balanced(turning_points(completion_rewards, final_rewards), r[:, -1] - r[:, 0])
+    keep = balanced(turning_points(completion_rewards, final_rewards, **selection), r[:, -1] - r[:, 0])
     return jnp.where(keep, r[:, -1:] - r[:, :-1], d), keep
 
 
@@ -67,7 +75,7 @@ def balanced(turning, d_g):
 def apply(inputs: dict, adv, state, options):
     ro = inputs["rollout"]
     rc = inputs["turning_point"]["completion_rewards"]
-    r_tilde, _ = step_rewards(rc, inputs["rewards"].astype(jnp.float32))
+    r_tilde, _ = step_rewards(rc, inputs["rewards"].astype(jnp.float32), **{k: bool(options[k]) for k in DEFAULTS})
     a = jax.vmap(lambda r: inputs["normalize"](r, group_std=True), in_axes=1, out_axes=1)(r_tilde)  # [B, m]
     steps = jnp.flatnonzero(ro.noise_levels > 0, size=rc.shape[1])
     full = jnp.zeros((a.shape[0], ro.noise_levels.shape[0]), jnp.float32).at[:, steps].set(a)
