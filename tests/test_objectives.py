@@ -111,6 +111,41 @@ def test_nft_gradient_at_the_old_policy_points_toward_positives_and_matches_the_
     np.testing.assert_allclose(grad, expected, rtol=2e-4)
 
 
+def test_nft_loss_scale_and_kl_term_equal_nvlabs_formula_in_float64():
+    """`L = adv_clip_max * mean_w[(r ||x0+ - x0||^2 / w+ + (1 - r) ||x0- - x0||^2 / w-) / b] + beta_kl mean_w ||v - v_ref||^2`
+    (NVlabs `train_nft_sd3.py`), written out in NumPy float64 on an affine velocity `v = a x + c`, with advantages past
+    the clip, a padding pair (weight 0) and non-default beta, beta_kl, adv_clip_max: pins the x adv_clip_max factor and
+    the beta_kl term."""
+    class Fns:
+        @staticmethod
+        def velocity(p, x, t, mb):
+            return p["a"] * x + p["c"]
+
+    rng = np.random.default_rng(5)
+    x_t, x0 = (rng.normal(size=(5, 2, 2, 1)) for _ in range(2))
+    t = rng.uniform(0.1, 0.9, size=5)
+    adv, weight = np.array([7.0, -2.0, 0.0, 12.0, -8.0]), np.array([1.0, 1.0, 1.0, 1.0, 0.0])
+    policy, old, ref = {"a": 0.7, "c": 0.1}, {"a": 0.5, "c": 0.0}, {"a": 0.3, "c": -0.2}
+    options = {**nft.DEFAULTS, "beta": 0.8, "beta_kl": 0.05, "adv_clip_max": 4.0}
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    mb = {"x_t": f32(x_t), "x0": f32(x0), "t": f32(t), "adv": f32(adv), "weight": f32(weight),
+          "old_variables": {k: f32(v) for k, v in old.items()}}
+    got, aux = nft.loss({k: f32(v) for k, v in policy.items()}, {k: f32(v) for k, v in ref.items()}, mb, Fns, options)
+
+    v, v_old, v_ref = (p["a"] * x_t + p["c"] for p in (policy, old, ref))
+    b, tt = 0.8, t[:, None, None, None]
+    r = np.clip(adv / 4.0 / 2 + 0.5, 0, 1)  # [1, 0.25, 0.5, 1, 0]
+    x0_pos, x0_neg = x_t - tt * (b * v + (1 - b) * v_old), x_t - tt * ((1 + b) * v_old - b * v)
+    w_pos, w_neg = (np.maximum(np.abs(e - x0).mean((1, 2, 3)), 1e-5) for e in (x0_pos, x0_neg))
+    terms = (r * ((x0_pos - x0) ** 2).mean((1, 2, 3)) / w_pos + (1 - r) * ((x0_neg - x0) ** 2).mean((1, 2, 3)) / w_neg) / b
+    policy_loss = 4.0 * (weight * terms).sum() / weight.sum()
+    kl = (weight * ((v - v_ref) ** 2).mean((1, 2, 3))).sum() / weight.sum()
+    # rtol 1e-5: float32 against float64 on O(1) values through ~20 operations, each 6e-8 relative (~1.2e-6 at worst)
+    np.testing.assert_allclose(aux["policy_loss"], policy_loss, rtol=1e-5)
+    np.testing.assert_allclose(aux["kl"], kl, rtol=1e-5)
+    np.testing.assert_allclose(got, policy_loss + 0.05 * kl, rtol=1e-5)
+
+
 def test_nft_old_policy_decay_schedules_at_hand_computed_steps():
     """NVlabs' decay_type 1 (flat 0, rate 0.001, cap 0.5) and 2 (flat 75, rate 0.0075, cap 0.999), by hand."""
     steps = jnp.array([0.0, 74.0, 75.0, 100.0, 208.0, 300.0, 5000.0])
