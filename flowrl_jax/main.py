@@ -2,7 +2,8 @@
 
 Dispatches on `config.job` to `<module>.run(config, workdir)`. Config mistakes (an unknown key, a
 missing required field, an unknown job) end the run with one line naming the key (exit 2). A reward server
-that stays down ends it with one line naming the server and the checkpoint saved (exit 75, EX_TEMPFAIL: rerun later).
+that fails ends it with one line naming the server and the checkpoint saved: exit 75 (EX_TEMPFAIL: rerun later) when it
+was unreachable or busy past the deadline or slow, 2 when the request or the server needs fixing first.
 """
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ def main(argv) -> None:
     except ConfigError as e:
         _fail(str(e))
     except RewardServerError as e:
-        _fail(str(e), EXIT_RERUN_LATER)
+        _fail(str(e), EXIT_RERUN_LATER if e.retryable else 2)
 
 
 if __name__ == "__main__":

@@ -107,12 +107,14 @@ def validate(config):
         remote.settings(config.train.get("remote_rewards"))
         sampler_levels(s)
         world = worlds.build(config)
-        rewards.check_prompts(config.train.rewards, world.train_prompts)  # e.g. OCR's quoted text: before the run, not mid-run
+        for prompts in (world.train_prompts, getattr(world, "test_prompts", None) or []):  # the latent world's eval scores
+            rewards.check_prompts(config.train.rewards, prompts)  # test prompts with train.rewards; e.g. OCR's quoted text
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
-    if config.train.get("score_while_sampling") and not config.train.rollout_chunk:
-        raise ConfigError("train.score_while_sampling=True scores each rollout chunk while the next samples: set "
-                          "train.rollout_chunk to the rows per chunk (e.g. a quarter of prompts_per_iteration x group_size)")
+    rows = config.train.prompts_per_iteration * config.train.group_size
+    if config.train.get("score_while_sampling") and not 0 < config.train.rollout_chunk < rows:
+        raise ConfigError(f"train.score_while_sampling=True scores each rollout chunk while the next samples: set "
+                          f"train.rollout_chunk to the rows per chunk, fewer than the {rows} of an iteration (e.g. {rows // 4})")
     if config.train.lora_init not in lora.INITS:
         raise ConfigError(f"train.lora_init={config.train.lora_init!r}: choose one of {', '.join(lora.INITS)}")
     if s.kind == "ode" and s.same_noise_per_group:
@@ -238,36 +240,40 @@ def rollout(job: Job, state: TrainState, batch: dict, it: int):
     return job.steps.rollout_in_chunks(params, job.steps.frozen, batch["ids"], batch["mask"], rng, on_chunk)
 
 
-def rewards_of(job: Job, images, batch: dict) -> tuple[np.ndarray, dict]:
-    """This process's rows' rewards: (total [b], {name: [b]}); the host part from the chunks scored early, if any."""
-    if not batch.get("early"):
-        return job.reward_fn(images, batch["prompts_local"])
-    parts = {}
-    for rows, future in batch["early"]:
-        for name, values in future.result().items():
-            parts.setdefault(name, np.zeros(len(batch["prompts_local"]), np.float32))[rows] = values
-    parts.update(job.reward_fn.device_parts(images, batch["prompts_local"]) if job.reward_fn.on_device else {})
-    return job.reward_fn.total(parts), {n: parts[n] for n, _ in job.reward_fn.weighted}
+def host_rewards(job: Job, ro, batch: dict) -> dict:
+    """This process's rows' host and remote rewards {name: [b]}: from the chunks scored early, if any, else scored now."""
+    if batch.get("early"):
+        parts = {}
+        for rows, future in batch["early"]:
+            for name, values in future.result().items():
+                parts.setdefault(name, np.zeros(len(batch["prompts_local"]), np.float32))[rows] = values
+        return parts
+    if not job.reward_fn.on_host:
+        return {}
+    batch["images"] = job.world.decode(job.steps.frozen, ro.final)
+    return job.reward_fn.host_parts(parallel.local_rows(batch["images"]), batch["prompts_local"])
 
 
 def score(job: Job, ro, batch: dict, it: int) -> dict:
-    """Rewards of this process's decoded samples (device rewards on the device, host rewards on the host), gathered into
-    global arrays with the group ids (`reward` and `parts`: every process's rows on the host, for the logs). A non-finite reward anywhere stops the
-    run on every process at once: the test reads the gathered rewards, the same values on every host. So does a reward
-    server that failed on any process (`remote.RewardServerError`, raised on every process; `loop` saves and stops)."""
-    images = job.world.decode(job.steps.frozen, ro.final)  # on the device: device rewards score it there, host ones read local rows
+    """Rewards of this process's decoded samples (host and remote rewards on the host, device rewards on the device after
+    them), gathered into global arrays with the group ids (`reward` and `parts`: every process's rows on the host, for
+    the logs). Failures are agreed before any device work (`rewards.agree_on_failure`: no process enters a collective another
+    left). A non-finite reward anywhere stops the run on every process at once: the test reads the gathered rewards."""
     failure = None
     try:
-        reward, parts = rewards_of(job, images, batch)
-    except remote.RewardServerError as e:
+        parts = host_rewards(job, ro, batch)
+    except Exception as e:  # agreed below, then raised on every process
         failure = e
-    if parallel.agree({"reward_server_failed": failure is not None})["reward_server_failed"]:
-        raise failure or remote.RewardServerError("of another process", "failed there (see that process's log)")
-    rewards = parallel.global_from_local(reward, job.mesh)
+    rewards.agree_on_failure(failure)
+    if job.reward_fn.on_device:
+        images = batch["images"] if "images" in batch else job.world.decode(job.steps.frozen, ro.final)  # scored where it lies
+        parts.update(job.reward_fn.device_parts(images, batch["prompts_local"]))
+    reward, parts = job.reward_fn.total(parts), {n: parts[n] for n, _ in job.reward_fn.weighted}
+    on_mesh = parallel.global_from_local(reward, job.mesh)
     every = {n: parallel.to_host(parallel.global_from_local(v, job.mesh)) for n, v in parts.items()}  # all processes' rows, for logs
-    gathered = parallel.to_host(rewards)
+    gathered = parallel.to_host(on_mesh)
     _finite_or_stop({"reward": gathered}, it + 1, job.ckpt)
-    return {"reward": gathered, "parts": every, "rewards": rewards,
+    return {"reward": gathered, "parts": every, "rewards": on_mesh,
             "group_ids": parallel.global_from_local(batch["group_ids"][job.local], job.mesh)}
 
 
@@ -438,8 +444,9 @@ def save_and_stop(job: Job, state: TrainState, reader_state: dict | None, error:
         if job.reader is not None:
             meta["prompt_reader"] = reader_state if reader_state is not None else job.reader.get_state()
         job.ckpt.save(step, state, meta)
+    then = "rerun the same command once the server is back" if error.retryable else "fix the server or the request, then rerun the same command"
     raise remote.RewardServerError(error.url, f"{str(error).split(': ', 1)[-1]}; saved a checkpoint at step {step} in "
-                                   f"{job.ckpt.directory}; rerun the same command once the server is back") from None
+                                   f"{job.ckpt.directory}; {then}", error.retryable) from None
 
 
 def finish(job: Job, state: TrainState, stopped: str | None) -> dict:

@@ -28,7 +28,7 @@ def test_ocr_reward_hand_computed():
     # the target inside the recognised text: distance 0 -> 1 - 0/5 = 1
     assert ocr.ocr_reward("theworldhello!", "hello") == 1.0
     # one substitution in a five-letter word: 1 - 1/5 = 0.8
-    assert ocr.ocr_reward("hallo", "hello") == pytest.approx(0.8)
+    assert ocr.ocr_reward("hallo", "hello") == 1 - 1 / 5  # the same float operations as the formula: equal
     # unrelated long text: Levenshtein("zzzzzzzzzzzz", "hello") = 12 > 5, capped at len("hello") = 5 -> 1 - 5/5 = 0
     assert ocr.levenshtein("zzzzzzzzzzzz", "hello") == 12
     assert ocr.ocr_reward("zzzzzzzzzzzz", "hello") == 0.0
@@ -37,7 +37,7 @@ def test_ocr_reward_hand_computed():
     # spaces and case ignored on both sides: "HeLLo  World" -> "helloworld" == target "helloworld" -> 1
     assert ocr.ocr_reward("HeLLo  World", "hello world") == 1.0
     # "Hello Wrld" -> "hellowrld" vs "helloworld" (10 letters): one deletion -> 1 - 1/10 = 0.9
-    assert ocr.ocr_reward("Hello Wrld", "Hello World") == pytest.approx(0.9)
+    assert ocr.ocr_reward("Hello Wrld", "Hello World") == 1 - 1 / 10
 
 
 def test_empty_target_is_a_value_error_not_a_division_by_zero():
@@ -137,6 +137,7 @@ def test_rapidocr_reads_the_right_word_and_a_near_miss(rapidocr):
     r = ocr.reward(images, [{"prompt": 'a sign that says "flower"'}] * 2 + ['a neon sign "hello world"'], engine=recording)
     assert read == ["flower", "flawer", "helloworld"]
     # "flower": exact -> 1; "flawer" vs "flower": one substitution (a -> o) in 6 letters -> 1 - 1/6
+    # atol 1e-7: the reward is float32, and 5/6 rounds to float32 within 3e-8 (half an ulp at 0.83)
     np.testing.assert_allclose(r, [1.0, 1.0 - 1.0 / 6.0, 1.0], rtol=0, atol=1e-7)
 
 

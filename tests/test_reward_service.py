@@ -55,6 +55,9 @@ def _start(command, port, health="/health", timeout_s=120):
     raise TimeoutError(f"{command} did not answer {health} within {timeout_s} s")
 
 
+LOGS = {}  # server URL -> its request log (one JSON line per scored request)
+
+
 def _stop(proc):
     proc.kill()
     proc.wait(10)
@@ -65,6 +68,7 @@ def server(tmp_path_factory):
     port, log = _free_port(), tmp_path_factory.mktemp("serve") / "requests.jsonl"
     proc = _start(SERVE + ["--reward", "shapes_score,jpeg_compressibility", "--max_batch", "32", "--max_body_mb", "1",
                            "--max_pending", "2", "--log", str(log)], port)
+    LOGS[f"http://127.0.0.1:{port}"] = log
     yield f"http://127.0.0.1:{port}"
     _stop(proc)
 
@@ -76,7 +80,7 @@ def _scenes(n, seed=0):
 
 def test_scores_equal_the_rewards_computed_here_on_the_same_pixels(server):
     images, rows = _scenes(12)
-    pixels = remote.to_pixels(images)
+    pixels = image.to_uint8(images)
     served = pixels.astype(np.float32) / 127.5 - 1.0  # what the server scores: the images at 8 bits
     expected = shapes_eval.evaluate(served, [r["spec"] for r in rows])["score"]
     assert expected.min() < 1 or expected.max() > 0  # not a constant a broken transport could also give
@@ -113,6 +117,7 @@ def test_bad_payloads_get_a_4xx_naming_the_problem_and_the_server_stays_up(serve
         (pack(images={"png": [b"not a png"]}, prompts=["p"]), 400, "not a readable PNG"),
         (msgpack.packb(msgpack.ExtType(5, b"x")), 400, "extension type 5"),
         (bytes(2 << 20), 413, "over the cap"),  # 2 MB against --max_body_mb 1
+        (pack(images={"dtype": "uint8", "shape": [2 ** 62, 2, 2, 3], "data": b""}), 413, "cap is 32"),  # np.prod overflows to 0
     ]
     for body, status, message in cases:
         answer = _post(server, body)
@@ -137,7 +142,7 @@ def test_concurrent_clients_are_all_answered_correctly(server):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda b: reward(b, ["p"] * 4), batches))
     for b, got in zip(batches, answers):
-        np.testing.assert_array_equal(got, image.jpeg_compressibility(remote.to_pixels(b) / 127.5 - 1.0, None))
+        np.testing.assert_array_equal(got, image.jpeg_compressibility(image.to_uint8(b) / 127.5 - 1.0, None))
 
 
 def test_client_errors_name_the_server(server):
@@ -164,7 +169,7 @@ def test_flow_grpo_geneval_protocol_against_a_standin_with_metadata_passed_throu
     finally:
         _stop(proc)
     # What that server scores: flow_grpo's JPEG (PIL's default quality) of the 8-bit images, decoded again
-    jpegs = [Image.open(io.BytesIO(b)).convert("RGB") for b in remote._jpegs(remote.to_pixels(images))]
+    jpegs = [Image.open(io.BytesIO(b)).convert("RGB") for b in remote._jpegs(image.to_uint8(images))]
     expected = shapes_eval.evaluate(np.stack([np.asarray(j) for j in jpegs]).astype(np.float32) / 127.5 - 1.0,
                                     [r["spec"] for r in rows])["score"]
     np.testing.assert_array_equal(got, expected)
@@ -179,8 +184,15 @@ def test_a_malicious_pickle_is_refused_and_nothing_in_it_runs(tmp_path):
     pickle.loads(pickle.dumps({"scores": [Hostile(str(control))]}))  # plain pickle runs it: the payload is real
     assert control.exists()
     target = tmp_path / "pwned"
-    with pytest.raises(pickle.UnpicklingError, match="refused: the answer names posix.open"):
-        remote.safe_loads(pickle.dumps({"scores": [Hostile(str(target))]}))
+    hostile = pickle.dumps({"scores": [Hostile(str(target))]})
+    with pytest.raises(pickle.UnpicklingError, match="refused: the answer holds opcode STACK_GLOBAL"):
+        remote.safe_loads(hostile)
+    with pytest.raises(pickle.UnpicklingError, match="refused: the answer names posix.open"):  # the second lock alone
+        remote._PlainUnpickler(io.BytesIO(hostile)).load()
+    with pytest.raises(pickle.UnpicklingError, match="opcode EXT1"):  # an extension code: it skips find_class once cached
+        remote.safe_loads(b"\x80\x02\x82\xf0)R.")
+    with pytest.raises(pickle.UnpicklingError, match="not a well-formed pickle"):  # a 64 GiB bytes8 length in a 14-byte pickle
+        remote.safe_loads(b"\x80\x04\x8e" + (64 << 30).to_bytes(8, "little") + b"x.")
     assert remote.safe_loads(pickle.dumps({"scores": [0.5, 1], "group_rewards": {"a": (1.0, None)}})) == \
         {"scores": [0.5, 1], "group_rewards": {"a": (1.0, None)}}
     port = _free_port()
@@ -194,7 +206,8 @@ def test_a_malicious_pickle_is_refused_and_nothing_in_it_runs(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------- the train loop
-FIELDS = {**TINY, "train.iterations": 3, "train.prompts_per_iteration": 4, "train.rollout_chunk": 8}  # 16 rows, 2 chunks
+FIELDS = {**TINY, "train.iterations": 2, "train.prompts_per_iteration": 4, "train.rollout_chunk": 8}  # 16 rows, 2 chunks
+OVERLAPPED = {"train.score_while_sampling": True}
 
 
 def _train(base, workdir, url, **fields):
@@ -206,20 +219,31 @@ def _rows(workdir):
     return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl")) if '"reward"' in line]
 
 
-def test_train_on_a_remote_reward_overlapped_equals_scoring_after_the_rollout(smoke_base, server, tmp_path):
+@pytest.fixture(scope="module")
+def overlapped_run(smoke_base, server, tmp_path_factory):
+    """2 iterations on the served reward, each rollout chunk scored while the next samples: the run the next two
+    tests compare against."""
+    workdir = tmp_path_factory.mktemp("overlapped")
+    requests_before = len(open(LOGS[server]).readlines()) if os.path.exists(LOGS[server]) else 0
+    _train(smoke_base, workdir, server, **OVERLAPPED)
+    assert [json.loads(line)["rows"] for line in open(LOGS[server]).readlines()[requests_before:]] == [8] * 4  # 2 chunks x 2
+    return workdir
+
+
+def test_train_on_a_remote_reward_overlapped_equals_scoring_after_the_rollout(smoke_base, server, overlapped_run, tmp_path):
+    requests_before = len(open(LOGS[server]).readlines())
     _train(smoke_base, tmp_path / "after", server)
-    _train(smoke_base, tmp_path / "overlapped", server, **{"train.score_while_sampling": True})
-    after, overlapped = _rows(tmp_path / "after"), _rows(tmp_path / "overlapped")
-    assert len(after) == 3 and [r["reward"] for r in after] == [r["reward"] for r in overlapped]
-    chex.assert_trees_all_equal(_state(str(tmp_path / "after")), _state(str(tmp_path / "overlapped")))
+    sizes = [json.loads(line)["rows"] for line in open(LOGS[server]).readlines()[requests_before:]]
+    assert sizes == [16, 16]  # one request per iteration after the rollout; the overlapped run sent one per 8-row chunk
+    after, overlapped = _rows(tmp_path / "after"), _rows(overlapped_run)
+    assert len(after) == 2 and [r["reward"] for r in after] == [r["reward"] for r in overlapped]
+    chex.assert_trees_all_equal(_state(str(tmp_path / "after")), _state(str(overlapped_run)))
 
 
-def test_server_outage_saves_stops_and_the_same_command_resumes_bit_equal(smoke_base, server, tmp_path, monkeypatch):
+def test_server_outage_saves_stops_and_the_same_command_resumes_bit_equal(smoke_base, overlapped_run, tmp_path, monkeypatch):
     """The server dies after iteration 1: iteration 2's requests are retried until the deadline, the run
     saves step 1 and stops naming the URL; with a new server on the same port the same command resumes and ends
     bit-equal to an uninterrupted run, so no sample was lost or counted twice."""
-    overlapped = {"train.score_while_sampling": True}
-    _train(smoke_base, tmp_path / "uninterrupted", server, **overlapped)
     port, log = _free_port(), tmp_path / "requests.jsonl"
     url = f"http://127.0.0.1:{port}"
     command = SERVE + ["--reward", "shapes_score", "--log", str(log)]
@@ -232,19 +256,19 @@ def test_server_outage_saves_stops_and_the_same_command_resumes_bit_equal(smoke_
         return real_after(job, state, done, stop)
 
     monkeypatch.setattr(train, "after_iteration", after_iteration)
-    resumed = {**overlapped, "train.remote_rewards.deadline_s": 2.0}
+    resumed = {**OVERLAPPED, "train.remote_rewards.deadline_s": 2.0, "checkpoint.every": 100}  # the stop saves step 1 itself
     try:
         with pytest.raises(remote.RewardServerError) as stopped:
             _train(smoke_base, tmp_path / "run", url, **resumed)
         assert f"reward server {url}: unreachable" in str(stopped.value) and "saved a checkpoint at step 1" in str(stopped.value)
-        assert "\n" not in str(stopped.value)
+        assert "\n" not in str(stopped.value) and stopped.value.retryable  # main exits 75: rerun later
         scored_before = sum(json.loads(line)["rows"] for line in open(log))
         assert scored_before == 16  # iteration 1's rows
         procs.append(_start(command, port))
         out = _train(smoke_base, tmp_path / "run", url, **resumed)
     finally:
         _stop(procs[-1])
-    assert out["step"] == 3
-    assert sum(json.loads(line)["rows"] for line in open(log)) - scored_before == 2 * 16  # iterations 2 and 3, whole
-    chex.assert_trees_all_equal(_state(str(tmp_path / "uninterrupted")), _state(str(tmp_path / "run")))
-    assert [r["reward"] for r in _rows(tmp_path / "run")] == [r["reward"] for r in _rows(tmp_path / "uninterrupted")]
+    assert out["step"] == 2
+    assert sum(json.loads(line)["rows"] for line in open(log)) - scored_before == 16  # iteration 2, whole
+    chex.assert_trees_all_equal(_state(str(overlapped_run)), _state(str(tmp_path / "run")))
+    assert [r["reward"] for r in _rows(tmp_path / "run")] == [r["reward"] for r in _rows(overlapped_run)]

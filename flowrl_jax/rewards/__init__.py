@@ -21,6 +21,7 @@ reward-server. New rewards register in `REWARDS` or `device.FACTORIES` (factorie
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Sequence
 
 import jax
@@ -50,7 +51,12 @@ def _learned() -> Callable:
 
 def _ocr(engine: str) -> Callable:
     recognize = ocr.get_engine(engine)  # built now: a missing package is an ImportError at setup, not mid-run
-    return lambda images, prompts: ocr.reward(images, prompts, recognize)
+    lock = threading.Lock()  # the engines' predictors are not thread-safe; the loop may score chunks on several threads
+
+    def reward(images, prompts):
+        with lock:
+            return ocr.reward(images, prompts, recognize)
+    return reward
 
 
 REWARDS: dict[str, Callable[[], Callable]] = {  # host rewards
@@ -78,6 +84,17 @@ def check(weighted: Sequence[tuple[str, float]], models: Any = None) -> None:
     for name, _ in weighted:
         if str(name) in device.FACTORIES and models is not None:
             device.check(str(name), models)
+
+
+def agree_on_failure(failure: Exception | None) -> None:
+    """Every process raises, or none: a reward server's failure anywhere is a `RewardServerError` on every process (the train
+    loop saves and stops, every process at the same step), any other reward error stops every process without saving."""
+    served = isinstance(failure, remote.RewardServerError)
+    agreed = parallel.agree({"server": served, "other": failure is not None and not served})
+    if agreed["other"]:
+        raise failure if failure is not None and not served else RuntimeError("a reward raised on another process (see its log)")
+    if agreed["server"]:
+        raise failure or remote.RewardServerError("of another process", "failed there (see that process's log)")
 
 
 def check_prompts(weighted: Sequence[tuple[str, float]], rows) -> None:
@@ -138,12 +155,15 @@ class Weighted:
         self.on_device = [n for n, _ in weighted if n in device.FACTORIES]
 
     def host_parts(self, host_images: np.ndarray, prompts: list) -> dict[str, np.ndarray]:
+        """numpy [b, H, W, 3] in [-1, 1] and b prompt rows -> {host or remote reward: [b]}."""
         return {n: np.asarray(self.fns[n](host_images, prompts), np.float32) for n in self.on_host}
 
     def device_parts(self, images, prompts: list) -> dict[str, np.ndarray]:
+        """The (sharded) device batch [B, H, W, 3] and this process's prompt rows -> {device reward: this process's [b]}."""
         return {n: np.asarray(self.fns[n](images, prompts), np.float32) for n in self.on_device}
 
     def total(self, parts: dict[str, np.ndarray]) -> np.ndarray:
+        """{name: [b]} -> the weighted sum [b] float32."""
         return sum(w * parts[n] for n, w in self.weighted).astype(np.float32)
 
     def __call__(self, images, prompts) -> tuple[np.ndarray, dict[str, np.ndarray]]:

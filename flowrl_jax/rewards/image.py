@@ -14,9 +14,14 @@ import numpy as np
 from PIL import Image
 
 
+def to_uint8(images) -> np.ndarray:
+    """[..., 3] in [-1, 1] -> uint8 (round half to even), as every image reward and the reward service quantize."""
+    return np.clip(np.round((np.asarray(images, np.float32) + 1.0) * 127.5), 0, 255).astype(np.uint8)
+
+
 def jpeg_kilobytes(images: np.ndarray, quality: int = 95) -> np.ndarray:
     """[B, H, W, 3] in [-1, 1] -> [B] float32: the JPEG file size in kB (1 kB = 1000 bytes)."""
-    pixels = np.clip(np.round((np.asarray(images, np.float32) + 1.0) * 127.5), 0, 255).astype(np.uint8)
+    pixels = to_uint8(images)
     sizes = []
     for image in pixels:
         buffer = io.BytesIO()

@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from flowrl_jax.rewards.image import to_uint8
+
 Recognize = Callable[[np.ndarray], list]  # image uint8 [H, W, 3] -> the recognised lines (str), in the engine's order
 EXAMPLE = "e.g. 'a sign that says \"hello\"'"
 
@@ -120,11 +122,6 @@ def get_engine(name: str = "rapidocr") -> Recognize:
     if name not in _BUILT:
         _BUILT[name] = ENGINES[name]()
     return _BUILT[name]
-
-
-def to_uint8(images: np.ndarray) -> np.ndarray:
-    """[..., 3] float in [-1, 1] -> uint8 in [0, 255]."""
-    return np.clip(np.round((np.asarray(images, np.float32) + 1.0) * 127.5), 0, 255).astype(np.uint8)
 
 
 def reward(images: np.ndarray, prompts: Sequence[Any], engine: str | Recognize = "rapidocr") -> np.ndarray:

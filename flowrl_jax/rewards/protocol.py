@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 from typing import Any
 
 import msgpack
@@ -100,11 +101,13 @@ def _raw_pixels(images: dict, limits: Limits) -> np.ndarray:
         raise ProtocolError(f"images.dtype must be 'uint8', got {images.get('dtype')!r}")
     if not (isinstance(shape, list) and len(shape) == 4 and all(isinstance(d, int) and d >= 0 for d in shape) and shape[3] == 3):
         raise ProtocolError(f"images.shape must be [B, H, W, 3] (non-negative ints), got {shape!r}")
+    if shape[0] > limits.max_batch:
+        raise ProtocolError(f"a batch of {shape[0]} images; the cap is {limits.max_batch} per request", 413)
     if max(shape[1], shape[2]) > limits.max_side:
         raise ProtocolError(f"images are {shape[1]}x{shape[2]}; the cap is {limits.max_side} per side", 413)
-    if not isinstance(data, bytes) or len(data) != int(np.prod(shape)):
+    if not isinstance(data, bytes) or len(data) != math.prod(shape):  # exact integers (np.prod would overflow int64)
         size = len(data) if isinstance(data, bytes) else type(data).__name__
-        raise ProtocolError(f"images.data must be {int(np.prod(shape))} bytes for shape {shape}, got {size}")
+        raise ProtocolError(f"images.data must be {math.prod(shape)} bytes for shape {shape}, got {size}")
     return np.frombuffer(data, np.uint8).reshape(shape)
 
 
@@ -138,10 +141,12 @@ def decode_request(body: bytes, limits: Limits = Limits()) -> Request:
 
 
 def encode_response(scores: dict[str, np.ndarray]) -> bytes:
+    """{name: [B] scores} -> a 200 answer's body."""
     return msgpack.packb({"version": VERSION, "scores": {n: [float(v) for v in np.asarray(s).reshape(-1)] for n, s in scores.items()}})
 
 
 def encode_error(message: str) -> bytes:
+    """A 4xx/5xx answer's body: `{"version", "error": message}`."""
     return msgpack.packb({"version": VERSION, "error": message})
 
 

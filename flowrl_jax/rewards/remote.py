@@ -4,21 +4,25 @@
     ("flow_grpo:geneval@http://127.0.0.1:18085", 1.0)   # flow_grpo's reward-server: GenEval's `scores` (partial credit)
     ("flow_grpo:deqa@http://127.0.0.1:18086", 1.0)      # ... and DeQA's `outputs`
 
-A batch goes out in requests of `batch_size` rows (`train.remote_rewards`). Connection errors and 503 (busy) are
-retried with exponential backoff (0.5 s doubling to 8 s) until `deadline_s` has passed since the first failure;
-anything else (a 4xx naming a bad request, a 500 from a reward that raised, no answer within `timeout_s`) fails at
-once. Every failure is a `RewardServerError` naming the URL: the train loop then saves a checkpoint and stops, and the
-same command resumes once the server is back (`train.loop`).
+A batch goes out in requests of `batch_size` rows (`train.remote_rewards`). Connection errors (a refused or dropped
+connection, an answer cut short) and 503 (busy) are retried with exponential backoff (0.5 s doubling to 8 s) until
+`deadline_s` has passed since the first failure; anything else (a 4xx naming a bad request, a 500 from a reward that
+raised, no answer within `timeout_s`) fails at once. Every failure is a `RewardServerError` naming the URL: the train
+loop then saves a checkpoint and stops, and the same command resumes (`train.loop`); `retryable` says whether waiting
+for the server can help (main's exit status 75) or the request or the server must be fixed first (2).
 
 flow_grpo's servers speak pickle both ways. We send what they expect (a pickled dict of JPEG bytes, GenEval's
 metadata rows, `only_strict`) and read the answer with `safe_loads`, an unpickler that admits plain containers,
-strings and numbers only: a pickle that names any class or function (the way pickles run code) is refused.
+strings and numbers only: the opcodes are scanned before anything is built, and any that could import, call or
+build an object (GLOBAL, REDUCE, BUILD, INST, OBJ, NEWOBJ, EXT, persistent ids) is refused, as is a length past the
+data's end; answers are read up to `MAX_ANSWER_BYTES`.
 """
 from __future__ import annotations
 
 import dataclasses
 import io
 import pickle
+import pickletools
 import threading
 import time
 from typing import Any, Callable
@@ -27,20 +31,21 @@ import numpy as np
 import requests
 from PIL import Image
 
-from flowrl_jax.rewards import protocol
+from flowrl_jax.rewards import image, protocol
 
 KINDS = ("remote", "flow_grpo")
 FLOW_GRPO_REWARDS = ("geneval", "deqa")
 DEFAULTS = dict(deadline_s=300.0, timeout_s=120.0, batch_size=64)  # train.remote_rewards
 BACKOFF_S = (0.5, 8.0)  # first wait, longest wait
+MAX_ANSWER_BYTES = 64 << 20  # an answer is scores: 64 MB is far past any batch's
 
 
 class RewardServerError(RuntimeError):
     """A remote reward that could not be scored; `url` names the server."""
 
-    def __init__(self, url: str, message: str):
+    def __init__(self, url: str, message: str, retryable: bool = True):
         super().__init__(f"reward server {url}: {message}")
-        self.url = url
+        self.url, self.retryable = url, retryable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,16 +95,20 @@ def post(url: str, path: str, body: bytes, content_type: str, deadline_s: float,
     first_failure, wait = None, BACKOFF_S[0]
     while True:
         try:
-            response = session.post(url + path, data=body, headers={"Content-Type": content_type}, timeout=(min(timeout_s, 10.0), timeout_s))
+            with session.post(url + path, data=body, headers={"Content-Type": content_type}, timeout=(min(timeout_s, 10.0), timeout_s),
+                              stream=True) as response:
+                answer = _read(response, url)
             if response.status_code == 200:
-                return response.content
+                return answer
             if response.status_code != 503:
-                raise RewardServerError(url, f"HTTP {response.status_code}: {protocol.error_message(response.content)}")
-            why = f"busy (503: {protocol.error_message(response.content)})"
-        except requests.ConnectionError as e:
+                raise RewardServerError(url, f"HTTP {response.status_code}: {protocol.error_message(answer)}", retryable=False)
+            why = f"busy (503: {protocol.error_message(answer)})"
+        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as e:
             why = f"unreachable ({type(e).__name__})"
         except requests.Timeout:
             raise RewardServerError(url, f"no answer within {timeout_s:g} s (train.remote_rewards.timeout_s)") from None
+        except requests.RequestException as e:
+            raise RewardServerError(url, f"{type(e).__name__}: {e}", retryable=False) from None
         now = time.monotonic()
         first_failure = first_failure or now
         if now - first_failure + wait > deadline_s:
@@ -108,9 +117,15 @@ def post(url: str, path: str, body: bytes, content_type: str, deadline_s: float,
         wait = min(2 * wait, BACKOFF_S[1])
 
 
-def to_pixels(images) -> np.ndarray:
-    """[B, H, W, 3] in [-1, 1] -> uint8, as every image reward quantizes (`image.jpeg_kilobytes`)."""
-    return np.clip(np.round((np.asarray(images, np.float32) + 1.0) * 127.5), 0, 255).astype(np.uint8)
+def _read(response, url: str) -> bytes:
+    """The answer's body, refused past MAX_ANSWER_BYTES (read in pieces: a hostile server cannot fill the memory)."""
+    pieces, size = [], 0
+    for piece in response.iter_content(1 << 20):
+        size += len(piece)
+        if size > MAX_ANSWER_BYTES:
+            raise RewardServerError(url, f"the answer is over {MAX_ANSWER_BYTES} bytes", retryable=False)
+        pieces.append(piece)
+    return b"".join(pieces)
 
 
 def plain_rows(prompts: list) -> list:
@@ -127,6 +142,10 @@ def plain_rows(prompts: list) -> list:
 
 
 # ------------------------------------------------------------------------------------------- flow_grpo's pickle
+_CODE_OPCODES = {"GLOBAL", "STACK_GLOBAL", "REDUCE", "BUILD", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX", "EXT1", "EXT2", "EXT4",
+                 "PERSID", "BINPERSID"}  # the opcodes that import, call or build objects
+
+
 class _PlainUnpickler(pickle.Unpickler):
     def find_class(self, module, name):  # every pickle that runs code goes through here (GLOBAL / STACK_GLOBAL)
         raise pickle.UnpicklingError(f"refused: the answer names {module}.{name}; only plain containers, strings and "
@@ -137,15 +156,26 @@ class _PlainUnpickler(pickle.Unpickler):
 
 
 def safe_loads(data: bytes) -> Any:
-    """pickle.loads admitting only dict/list/tuple/set/str/bytes/int/float/bool/None; UnpicklingError otherwise."""
+    """pickle.loads admitting only dict/list/tuple/set/str/bytes/int/float/bool/None; UnpicklingError otherwise. The
+    opcodes are scanned first (`pickletools.genops`, which builds nothing): code opcodes and any length past the data's
+    end are refused before the unpickler allocates or calls anything; `find_class` refuses all as a second lock."""
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name in _CODE_OPCODES:
+                raise pickle.UnpicklingError(f"refused: the answer holds opcode {op.name} (it imports or calls code); only plain "
+                                             "containers, strings and numbers are accepted")
+    except pickle.UnpicklingError:
+        raise
+    except Exception as e:  # genops: a truncated pickle, a length past the end, an unknown opcode
+        raise pickle.UnpicklingError(f"refused: not a well-formed pickle ({type(e).__name__}: {e})") from None
     return _PlainUnpickler(io.BytesIO(data)).load()
 
 
 def _jpegs(pixels: np.ndarray) -> list[bytes]:
     out = []
-    for image in pixels:  # flow_grpo: PIL's JPEG at its default quality (75)
+    for picture in pixels:  # flow_grpo: PIL's JPEG at its default quality (75)
         buffer = io.BytesIO()
-        Image.fromarray(image).save(buffer, format="JPEG")
+        Image.fromarray(picture).save(buffer, format="JPEG")
         out.append(buffer.getvalue())
     return out
 
@@ -161,11 +191,12 @@ def _flow_grpo_scores(reward: str, answer: bytes, rows: int, url: str) -> np.nda
     try:
         message = safe_loads(answer)
     except Exception as e:
-        raise RewardServerError(url, f"the answer is not a plain pickle ({e})") from None
+        raise RewardServerError(url, f"the answer is not a plain pickle ({e})", retryable=False) from None
     key = "scores" if reward == "geneval" else "outputs"  # what flow_grpo trains on for each
     values = message.get(key) if isinstance(message, dict) else None
     if not isinstance(values, (list, tuple)) or len(values) != rows or not all(isinstance(v, (int, float)) for v in values):
-        raise RewardServerError(url, f"the answer's {key!r} is not {rows} numbers: {str(message)[:200]}")
+        shown = sorted(map(str, message))[:10] if isinstance(message, dict) else type(message).__name__  # never str(message): a
+        raise RewardServerError(url, f"the answer's {key!r} is not {rows} numbers (keys: {shown})", retryable=False)  # shared bomb
     return np.asarray(values, np.float32)
 
 
@@ -181,13 +212,13 @@ def build(name: str, given: Any = None) -> Callable:
             try:
                 return protocol.decode_response(answer, [spec.reward], len(prompts))[spec.reward]
             except protocol.ProtocolError as e:
-                raise RewardServerError(spec.url, str(e)) from None
+                raise RewardServerError(spec.url, str(e), retryable=False) from None
         body = _flow_grpo_request(spec.reward, pixels, prompts)
         answer = post(spec.url, "", body, "application/octet-stream", cfg["deadline_s"], cfg["timeout_s"])
         return _flow_grpo_scores(spec.reward, answer, len(prompts), spec.url)
 
     def reward(images, prompts) -> np.ndarray:
-        pixels, size = to_pixels(images), int(cfg["batch_size"])
+        pixels, size = image.to_uint8(images), int(cfg["batch_size"])
         if len(pixels) != len(prompts):
             raise ValueError(f"{name}: {len(pixels)} images but {len(prompts)} prompts")
         parts = [score(pixels[i:i + size], list(prompts[i:i + size])) for i in range(0, len(pixels), size)]

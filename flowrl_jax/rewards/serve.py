@@ -9,7 +9,9 @@ before the port opens. aiohttp; binds 127.0.0.1 unless `--host` says otherwise. 
 versioned, never pickle). `GET /health` -> `{"version", "rewards", "max_batch", "max_body_bytes", "pending"}`.
 `POST /v1/score` -> scores, or a 4xx naming what is wrong with the request (the server stays up), 503 when
 `--max_pending` requests already wait (the client backs off and retries), 504 past `--timeout_s`, 500 when a reward
-raised. Batches are scored one at a time on one worker thread, in arrival order. `--delay_s` adds that much to each
+raised. Batches are scored one at a time on one worker thread, in arrival order; `--timeout_s` counts from a batch's
+start, not its wait in the queue (the queue is `--max_pending` long), and a batch past it still holds the worker until
+it ends (it counts as pending until then). `--delay_s` adds that much to each
 batch (a slow model's stand-in, for benchmarks and tests); `--log FILE` appends one JSON line per scored request.
 """
 from __future__ import annotations
@@ -50,7 +52,8 @@ def make_app(scorers: dict[str, Callable], limits: protocol.Limits = protocol.Li
     def answer(status: int, message: str) -> web.Response:
         return web.Response(status=status, body=protocol.encode_error(message), content_type=protocol.CONTENT_TYPE)
 
-    def compute(request: protocol.Request, names: list[str]) -> dict[str, np.ndarray]:
+    def compute(request: protocol.Request, names: list[str], started: Callable) -> dict[str, np.ndarray]:
+        started()
         if delay_s:
             time.sleep(delay_s)
         images = request.pixels.astype(np.float32) / 127.5 - 1.0
@@ -84,15 +87,17 @@ def make_app(scorers: dict[str, Callable], limits: protocol.Limits = protocol.Li
         if state["pending"] >= max_pending:
             return answer(503, f"busy: {state['pending']} batches waiting (--max_pending {max_pending}); retry later")
         state["pending"] += 1
+        loop, began = asyncio.get_running_loop(), asyncio.Event()
+        job = loop.run_in_executor(executor, compute, req, names, lambda: loop.call_soon_threadsafe(began.set))
+        job.add_done_callback(lambda _: state.__setitem__("pending", state["pending"] - 1))  # when the worker is free again
+        await asyncio.wait([asyncio.ensure_future(began.wait()), job], return_when=asyncio.FIRST_COMPLETED)
         start = time.time()
         try:
-            scores = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(executor, compute, req, names), timeout_s)
+            scores = await asyncio.wait_for(asyncio.shield(job), timeout_s)
         except asyncio.TimeoutError:
             return answer(504, f"the batch took longer than --timeout_s {timeout_s}")
         except Exception as e:
             return answer(500, f"reward failed on this batch: {type(e).__name__}: {e}")
-        finally:
-            state["pending"] -= 1
         if log_path:
             with open(log_path, "a") as f:
                 f.write(json.dumps({"time": start, "s": time.time() - start, "rows": int(req.pixels.shape[0]), "rewards": names}) + "\n")

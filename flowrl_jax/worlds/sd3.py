@@ -225,7 +225,12 @@ class SD3World:
             noise = jax.random.normal(jax.random.fold_in(rng, i), self.latent_shape(e.batch_size))
             out = parallel.to_host(self._sampler(params, ids, noise))[: len(chunk)]  # gathered: XLA picks the output's sharding
             images.append(out)
-            parts.append(self._reward_fn(out, chunk))
+            try:  # every process scores the gathered batch: a failure anywhere is raised everywhere, before the next collective
+                parts.append(self._reward_fn(out, chunk))
+                failure = None
+            except Exception as err:
+                failure = err
+            rewards.agree_on_failure(failure)
         images = np.concatenate(images)
         table = {"test": {"reward": float(np.mean(np.concatenate([p[0] for p in parts]))),
                           **{n: float(np.mean(np.concatenate([p[1][n] for p in parts]))) for n in parts[0][1]},
