@@ -88,34 +88,31 @@ def make_rollout_fn(policy: Policy, world, config, row_sharding: jax.sharding.Na
         ro = rollout_lib.rollout(velocity, x_T, sigmas, levels, key, s.kind, policy.dit.patch_size, s.logprob_form)
         return ro, cond, null
 
-    def rollout_fn(trainable, frozen, ids, mask, rng):
+    def noise(ids, rng):  # -> (x_T [B, ...], the steps' key): the whole batch's initial noise either way
         k_noise, k_steps = jax.random.split(rng)
-        x_T = rollout_lib.initial_noise(k_noise, world.latent_shape(ids.shape[0]), t.group_size, s.same_noise_per_group)
+        return rollout_lib.initial_noise(k_noise, world.latent_shape(ids.shape[0]), t.group_size, s.same_noise_per_group), k_steps
+
+    def one(trainable, frozen, rows, k_steps, i):  # chunk i's rollout, its per-row parts only
+        ids_c, mask_c, x_c = rows
+        ro, cond, null = rows_rollout(trainable, frozen, ids_c, mask_c, x_c, jax.random.fold_in(k_steps, i))
+        return ro.replace(sigmas=None, noise_levels=None), cond, null
+
+    def rollout_fn(trainable, frozen, ids, mask, rng):
+        x_T, k_steps = noise(ids, rng)
         if not chunk or chunk >= ids.shape[0]:
             return parallel.constrain_rows(rows_rollout(trainable, frozen, ids, mask, x_T, k_steps), row_sharding, ids.shape[0])
-
-        def one_chunk(i, rows):
-            ids_c, mask_c, x_c = rows
-            ro, cond, null = rows_rollout(trainable, frozen, ids_c, mask_c, x_c, jax.random.fold_in(k_steps, i))
-            return ro.replace(sigmas=None, noise_levels=None), cond, null  # per-row parts only
-
-        out = parallel.map_row_chunks(one_chunk, (ids, mask, x_T), ids.shape[0] // chunk, shards, row_sharding)
+        out = parallel.map_row_chunks(lambda i, rows: one(trainable, frozen, rows, k_steps, i), (ids, mask, x_T),
+                                      ids.shape[0] // chunk, shards, row_sharding)
         ro, cond, null = parallel.constrain_rows(out, row_sharding, ids.shape[0])
         return ro.replace(sigmas=sigmas, noise_levels=levels), cond, null
 
     # The same chunks, one jitted call each from the host (`Steps.rollout_in_chunks`): the loop can score chunk i while
-    # chunk i + 1 samples. `start` cuts the inputs into chunks (`to_row_chunks`), `chunk` samples one, `assemble` puts
+    # chunk i + 1 samples. `start` cuts the inputs into chunks (`to_row_chunks`), `one` samples one, `assemble` puts
     # the chunks' outputs back in row order.
     def start(ids, mask, rng):
-        k_noise, k_steps = jax.random.split(rng)
-        x_T = rollout_lib.initial_noise(k_noise, world.latent_shape(ids.shape[0]), t.group_size, s.same_noise_per_group)
+        x_T, k_steps = noise(ids, rng)
         pieces = jax.tree_util.tree_map(lambda a: parallel.to_row_chunks(a, ids.shape[0] // chunk, shards), (ids, mask, x_T))
         return [jax.tree_util.tree_map(lambda a: a[i], pieces) for i in range(ids.shape[0] // chunk)], k_steps
-
-    def one(trainable, frozen, rows, k_steps, i):
-        ids_c, mask_c, x_c = rows
-        ro, cond, null = rows_rollout(trainable, frozen, ids_c, mask_c, x_c, jax.random.fold_in(k_steps, i))
-        return ro.replace(sigmas=None, noise_levels=None), cond, null
 
     def assemble(outs):
         n = len(outs)
