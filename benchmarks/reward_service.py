@@ -32,22 +32,9 @@ import requests
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import runpy  # noqa: E402
-
 from flowrl_jax import main  # noqa: E402
+from flowrl_jax.config_lib import load_config  # noqa: E402
 from flowrl_jax.rewards import remote  # noqa: E402
-
-
-def load_config(path: str, **fields):
-    """`get_config()` of a config file with dotted `fields` overridden."""
-    config = runpy.run_path(os.path.join(ROOT, path))["get_config"]("")
-    for key, value in fields.items():
-        *parents, leaf = key.split(".")
-        node = config
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
-    return config
 
 
 def free_port() -> int:
@@ -101,7 +88,7 @@ def overlap(iterations: int, delay_s: float) -> dict:
     try:
         for name, overlapped in (("sequential", False), ("overlapped", True)):
             workdir = tempfile.mkdtemp(prefix=f"reward_service_{name}_")
-            config = load_config("configs/flow_grpo_cpu.py", **{
+            config = load_config(os.path.join(ROOT, "configs/flow_grpo_cpu.py"), **{
                 "train.iterations": iterations, "train.rollout_chunk": 24, "train.score_while_sampling": overlapped,
                 "train.rewards": ((f"remote:shapes_score@{url}", 1.0),), "train.remote_rewards.batch_size": 24,
                 "eval.at_start": False, "eval.every": 0, "checkpoint.every": 1000, "diagnostics.image_change_every": 0})

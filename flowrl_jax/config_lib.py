@@ -5,6 +5,8 @@ of a key that does not exist fails at parse time; `main.py` turns that into a on
 """
 from __future__ import annotations
 
+import runpy
+
 from ml_collections import ConfigDict
 
 from flowrl_jax import credit, objectives, worlds
@@ -55,6 +57,19 @@ def require(config: ConfigDict, fields) -> None:
             node = node[part]
         if node is None or node == "":
             raise ConfigError(f"config field {field!r} is required: set it in the config or pass --config.{field}=...")
+
+
+def load_config(path: str, variant: str = "", **fields) -> ConfigDict:
+    """`get_config(variant)` of a config file with dotted `fields` overridden (`{"train.lr": 1e-3}`): what tests and
+    benchmarks build a run from, as `main` does from flags."""
+    config = runpy.run_path(path)["get_config"](variant)
+    for key, value in fields.items():
+        node = config
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return config
 
 
 def train_config() -> ConfigDict:

@@ -127,6 +127,13 @@ def to_row_chunks(x: jax.Array, num_chunks: int, shards: int) -> jax.Array:
     return x.reshape((shards, num_chunks, per) + x.shape[1:]).swapaxes(0, 1).reshape((num_chunks, shards * per) + x.shape[1:])
 
 
+def from_row_chunks(chunks: Sequence[jax.Array], shards: int) -> jax.Array:
+    """The inverse of `to_row_chunks`: the `num_chunks` chunks [shards * per, ...] -> the batch [B, ...] in row order."""
+    n, rows = len(chunks), chunks[0].shape[0]
+    x = jnp.stack(chunks).reshape((n, shards, rows // shards) + chunks[0].shape[1:])
+    return x.swapaxes(0, 1).reshape((n * rows,) + chunks[0].shape[1:])
+
+
 def map_row_chunks(fn: Callable, inputs: Any, num_chunks: int, shards: int, sharding: NamedSharding | None = None) -> Any:
     """Inside jit: `fn(i, chunk_inputs) -> chunk_outputs` over the `num_chunks` row chunks of `inputs` (batch-leading
     pytree; chunk i as `to_row_chunks` cuts it, spanning every shard), one chunk at a time (`lax.fori_loop`), each

@@ -115,11 +115,8 @@ def make_rollout_fn(policy: Policy, world, config, row_sharding: jax.sharding.Na
         return [jax.tree_util.tree_map(lambda a: a[i], pieces) for i in range(ids.shape[0] // chunk)], k_steps
 
     def assemble(outs):
-        n = len(outs)
-        def rows(*leaves):  # [n][shards * per, ...] -> [B, ...] in row order (the inverse of to_row_chunks)
-            a = jnp.stack(leaves).reshape((n, shards, leaves[0].shape[0] // shards) + leaves[0].shape[1:])
-            return a.swapaxes(0, 1).reshape((n * leaves[0].shape[0],) + leaves[0].shape[1:])
-        ro, cond, null = parallel.constrain_rows(jax.tree_util.tree_map(rows, *outs), row_sharding, n * outs[0][0].final.shape[0])
+        rows = jax.tree_util.tree_map(lambda *chunks: parallel.from_row_chunks(chunks, shards), *outs)
+        ro, cond, null = parallel.constrain_rows(rows, row_sharding, rows[0].final.shape[0])
         return ro.replace(sigmas=sigmas, noise_levels=levels), cond, null
 
     rollout_fn.start, rollout_fn.chunk, rollout_fn.assemble = start, one, assemble
@@ -349,7 +346,8 @@ class Steps:
 
     def rollout_in_chunks(self, trainable, frozen, ids, mask, rng, on_chunk: Callable) -> tuple:
         """`rollout` (with `train.rollout_chunk`) run one chunk per call from the host: `on_chunk(i, (ro_i, cond_i, null_i))`
-        as soon as chunk i is dispatched (its rows: `chunk_rows`), while chunk i + 1 samples. -> (Rollout, cond, null)."""
+        as soon as chunk i is dispatched (its rows: `parallel.to_row_chunks`' chunk i), while chunk i + 1 samples.
+        -> (Rollout, cond, null)."""
         pieces, k_steps = self._rollout_start(ids, mask, rng)
         outs = []
         for i, rows in enumerate(pieces):

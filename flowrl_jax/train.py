@@ -240,18 +240,16 @@ def rollout(job: Job, state: TrainState, batch: dict, it: int):
     return job.steps.rollout_in_chunks(params, job.steps.frozen, batch["ids"], batch["mask"], rng, on_chunk)
 
 
-def host_rewards(job: Job, ro, batch: dict) -> dict:
-    """This process's rows' host and remote rewards {name: [b]}: from the chunks scored early, if any, else scored now."""
+def host_rewards(job: Job, images, batch: dict) -> dict:
+    """This process's rows' host and remote rewards {name: [b]}: from the chunks scored early, if any, else scored now
+    on `images` (the decoded batch)."""
     if batch.get("early"):
         parts = {}
         for rows, future in batch["early"]:
             for name, values in future.result().items():
                 parts.setdefault(name, np.zeros(len(batch["prompts_local"]), np.float32))[rows] = values
         return parts
-    if not job.reward_fn.on_host:
-        return {}
-    batch["images"] = job.world.decode(job.steps.frozen, ro.final)
-    return job.reward_fn.host_parts(parallel.local_rows(batch["images"]), batch["prompts_local"])
+    return job.reward_fn.host_parts(parallel.local_rows(images), batch["prompts_local"]) if job.reward_fn.on_host else {}
 
 
 def score(job: Job, ro, batch: dict, it: int) -> dict:
@@ -259,15 +257,15 @@ def score(job: Job, ro, batch: dict, it: int) -> dict:
     them), gathered into global arrays with the group ids (`reward` and `parts`: every process's rows on the host, for
     the logs). Failures are agreed before any device work (`rewards.agree_on_failure`: no process enters a collective another
     left). A non-finite reward anywhere stops the run on every process at once: the test reads the gathered rewards."""
+    scored_early = bool(batch.get("early"))
+    images = None if scored_early and not job.reward_fn.on_device else job.world.decode(job.steps.frozen, ro.final)  # on device
     failure = None
     try:
-        parts = host_rewards(job, ro, batch)
+        parts = host_rewards(job, images, batch)
     except Exception as e:  # agreed below, then raised on every process
         failure = e
     rewards.agree_on_failure(failure)
-    if job.reward_fn.on_device:
-        images = batch["images"] if "images" in batch else job.world.decode(job.steps.frozen, ro.final)  # scored where it lies
-        parts.update(job.reward_fn.device_parts(images, batch["prompts_local"]))
+    parts.update(job.reward_fn.device_parts(images, batch["prompts_local"]) if job.reward_fn.on_device else {})
     reward, parts = job.reward_fn.total(parts), {n: parts[n] for n, _ in job.reward_fn.weighted}
     on_mesh = parallel.global_from_local(reward, job.mesh)
     every = {n: parallel.to_host(parallel.global_from_local(v, job.mesh)) for n, v in parts.items()}  # all processes' rows, for logs
@@ -445,8 +443,8 @@ def save_and_stop(job: Job, state: TrainState, reader_state: dict | None, error:
             meta["prompt_reader"] = reader_state if reader_state is not None else job.reader.get_state()
         job.ckpt.save(step, state, meta)
     then = "rerun the same command once the server is back" if error.retryable else "fix the server or the request, then rerun the same command"
-    raise remote.RewardServerError(error.url, f"{str(error).split(': ', 1)[-1]}; saved a checkpoint at step {step} in "
-                                   f"{job.ckpt.directory}; {then}", error.retryable) from None
+    raise remote.RewardServerError(error.url, f"{error.reason}; saved a checkpoint at step {step} in {job.ckpt.directory}; {then}",
+                                   error.retryable) from None
 
 
 def finish(job: Job, state: TrainState, stopped: str | None) -> dict:

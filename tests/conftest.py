@@ -4,7 +4,6 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import runpy  # noqa: E402
 import shutil  # noqa: E402
 
 import tempfile  # noqa: E402
@@ -23,7 +22,7 @@ jax.config.update("jax_disable_most_optimizations", True)
 import pytest  # noqa: E402
 
 from flowrl_jax.models import build_mmdit  # noqa: E402
-from flowrl_jax.config_lib import model_config  # noqa: E402
+from flowrl_jax.config_lib import load_config, model_config  # noqa: E402,F401 (load_config: the tests' import)
 
 
 @pytest.fixture(scope="session")
@@ -82,15 +81,3 @@ def gaussian_velocity(m, s):
 def gaussian_marginal(m, s, t):
     """(mean, std) of x_t for x0 ~ N(m, s^2)."""
     return (1 - t) * m, ((1 - t) ** 2 * s**2 + t**2) ** 0.5
-
-
-def load_config(path, variant="", **fields):
-    """`get_config(variant)` of a config file with dotted `fields` overridden (`{"train.lr": 1e-3}`)."""
-    config = runpy.run_path(path)["get_config"](variant)
-    for key, value in fields.items():
-        node = config
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return config

@@ -105,7 +105,11 @@ def test_turning_point_advantage_sits_on_the_trained_steps_group_normalized():
     adv, _ = _apply(("turning_point",), {"rollout": ro, "turning_point": {"completion_rewards": jnp.asarray(rc)}}, rn)
     assert adv.shape == (6, 5, 1)
     np.testing.assert_array_equal(adv[:, [0, 4], 0], 0.0)
-    for k, t in enumerate([1, 2, 3]):  # rtol 1e-4: float32 differences of O(1) rewards over a group std >= 0.05 (a few ulp / 0.05)
+    # Tolerance: each R~ entry is off the hand value by at most 3 float32 roundings of numbers <= 1 (two inputs, one
+    # difference): 3 x 2^-24 ~ 1.8e-7. Normalised by (x - mean) / (std + 1e-4), x - mean is off by <= 3.6e-7 and std by
+    # <= 3.6e-7 absolute, so z is off by <= 3.6e-7 / std x (1 + |z|); the smallest group std here is
+    # 0.062 (group 1, the second trained step: 0, -.1, .05): <= 5.8e-6 (1 + |z|) <= atol 1e-5 + rtol 1e-4 |z|. Measured: 2.4e-7.
+    for k, t in enumerate([1, 2, 3]):
         np.testing.assert_allclose(adv[:, t, 0], _group_norm(r_tilde[:, k], group_std=True), rtol=1e-4, atol=1e-5)
 
 

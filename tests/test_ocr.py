@@ -137,8 +137,8 @@ def test_rapidocr_reads_the_right_word_and_a_near_miss(rapidocr):
     r = ocr.reward(images, [{"prompt": 'a sign that says "flower"'}] * 2 + ['a neon sign "hello world"'], engine=recording)
     assert read == ["flower", "flawer", "helloworld"]
     # "flower": exact -> 1; "flawer" vs "flower": one substitution (a -> o) in 6 letters -> 1 - 1/6
-    # atol 1e-7: the reward is float32, and 5/6 rounds to float32 within 3e-8 (half an ulp at 0.83)
-    np.testing.assert_allclose(r, [1.0, 1.0 - 1.0 / 6.0, 1.0], rtol=0, atol=1e-7)
+    # exact: ocr.reward computes 1 - d / len in Python floats and stores it as float32, as this expected value is made
+    np.testing.assert_array_equal(r, np.float32([1.0, 1.0 - 1.0 / 6.0, 1.0]))
 
 
 def test_rapidocr_blank_image_scores_zero(rapidocr):

@@ -81,8 +81,7 @@ def check(weighted: Sequence[tuple[str, float]], models: Any = None) -> None:
     for name, _ in weighted:
         if remote.is_remote(name):
             remote.parse(str(name))
-    for name, _ in weighted:
-        if str(name) in device.FACTORIES and models is not None:
+        elif str(name) in device.FACTORIES and models is not None:
             device.check(str(name), models)
 
 

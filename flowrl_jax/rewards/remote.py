@@ -41,11 +41,11 @@ MAX_ANSWER_BYTES = 64 << 20  # an answer is scores: 64 MB is far past any batch'
 
 
 class RewardServerError(RuntimeError):
-    """A remote reward that could not be scored; `url` names the server."""
+    """A remote reward that could not be scored; `url` names the server, `reason` what went wrong."""
 
-    def __init__(self, url: str, message: str, retryable: bool = True):
-        super().__init__(f"reward server {url}: {message}")
-        self.url, self.retryable = url, retryable
+    def __init__(self, url: str, reason: str, retryable: bool = True):
+        super().__init__(f"reward server {url}: {reason}")
+        self.url, self.reason, self.retryable = url, reason, retryable
 
 
 @dataclasses.dataclass(frozen=True)

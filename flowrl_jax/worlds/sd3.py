@@ -225,9 +225,9 @@ class SD3World:
             noise = jax.random.normal(jax.random.fold_in(rng, i), self.latent_shape(e.batch_size))
             out = parallel.to_host(self._sampler(params, ids, noise))[: len(chunk)]  # gathered: XLA picks the output's sharding
             images.append(out)
+            failure = None
             try:  # every process scores the gathered batch: a failure anywhere is raised everywhere, before the next collective
                 parts.append(self._reward_fn(out, chunk))
-                failure = None
             except Exception as err:
                 failure = err
             rewards.agree_on_failure(failure)
