@@ -37,9 +37,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = {"flow_grpo": "configs/flow_grpo_cpu.py", "spatial": "configs/spatial.py", "stepwise": "configs/stepwise.py",
            "tp_grpo": "configs/tp_grpo.py", "lambda_grpo": "configs/lambda_grpo.py", "adagrpo": "configs/adagrpo.py",
            "lc_grpo": "configs/lc_grpo.py", "advantage_flow": "configs/advantage_flow.py", "nft": "configs/nft.py",
-           "leapalign": "configs/leapalign.py"}
+           "leapalign": "configs/leapalign.py", "flow_grpo_fast": "configs/flow_grpo_fast.py", "grpo_guard": "configs/grpo_guard.py",
+           "mixgrpo": "configs/mixgrpo.py"}
 ENTRIES = {name: (path, {}) for name, path in METHODS.items()}
-ENTRIES["flow_grpo_null"] = (METHODS["flow_grpo"], {"advantage.null_control": True})
+for _name in ("flow_grpo", "flow_grpo_fast", "grpo_guard", "mixgrpo"):  # issue 33: the policy-gradient family's null controls
+    ENTRIES[_name + "_null"] = (METHODS[_name], {"advantage.null_control": True})
 ENTRIES["flow_grpo_upstream"] = ("configs/flow_grpo.py", {})  # upstream's recipe (192 images, steps 0-8) at this budget
 ENTRIES["flow_grpo_upstream_null"] = ("configs/flow_grpo.py", {"advantage.null_control": True})
 # The levers of issue 16 on Flow-GRPO (WORKSPACE_NOTES.md "Making the policy gradient learn"): name -> overrides.

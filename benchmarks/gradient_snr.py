@@ -55,8 +55,9 @@ def group_gradients(config, num_groups: int, null: bool, seed: int) -> np.ndarra
         drawn = world.sample_prompts(per_rollout, np.random.default_rng([seed, r]))
         prompts = [world.train_prompts[i] for i in drawn for _ in range(t.group_size)]
         ids, mask = parallel.shard_batch(world.tokenize(prompts), mesh)
-        ro, cond, null_cond = steps.rollout(steps.state.params, steps.frozen, ids, mask, jax.random.PRNGKey(1000 * seed + r))
-        rollouts.append((ro, cond, null_cond))
+        levels = steps.levels_at(r)  # the window of iteration r under the config's schedule (Fast: random; MixGRPO: sliding)
+        ro, cond, null_cond = steps.rollout(steps.state.params, steps.frozen, ids, mask, jax.random.PRNGKey(1000 * seed + r), levels)
+        rollouts.append((ro, cond, null_cond, steps.slots_at(levels)))
         rewards.append(np.asarray(reward_fn(np.asarray(world.decode(steps.frozen, ro.final)), prompts)[0], np.float32))
     reward = np.concatenate(rewards)
     group_ids = np.repeat(np.arange(len(reward) // t.group_size), t.group_size)
@@ -77,9 +78,9 @@ def group_gradients(config, num_groups: int, null: bool, seed: int) -> np.ndarra
     grads = []
     batch = per_rollout * t.group_size
     for k in range(num_groups):
-        ro, cond, null_cond = rollouts[k // per_rollout]
+        ro, cond, null_cond, trained = rollouts[k // per_rollout]
         first = (k % per_rollout) * t.group_size
-        rows, slots = np.meshgrid(np.arange(first, first + t.group_size), steps.slots, indexing="ij")
+        rows, slots = np.meshgrid(np.arange(first, first + t.group_size), trained, indexing="ij")
         a = np.zeros((batch, 1, 1), np.float32)
         a[:, 0, 0] = adv[(k // per_rollout) * batch:(k // per_rollout + 1) * batch]
         data = {"rollout": ro, "adv": jnp.asarray(a), "cond": cond, "null": null_cond}

@@ -21,7 +21,7 @@ import shutil
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = {"flow_grpo": "configs/flow_grpo_cpu.py", "lambda_grpo": "configs/lambda_grpo.py"}
+RUNS = {"flow_grpo": "configs/flow_grpo_cpu.py", "grpo_guard": "configs/grpo_guard.py", "lambda_grpo": "configs/lambda_grpo.py"}
 
 
 def config_for(path: str, args):

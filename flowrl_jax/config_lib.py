@@ -14,6 +14,7 @@ from flowrl_jax.data import curriculum
 from flowrl_jax.models.presets import PRESETS
 from flowrl_jax.parallel import DEFAULT_RULES
 from flowrl_jax.rewards import remote
+from flowrl_jax.sampling import windows
 
 
 class ConfigError(ValueError):
@@ -80,7 +81,8 @@ def train_config() -> ConfigDict:
     cfg = base_config("train")
     cfg.world = worlds.config_fields("shapes")  # base: a shipped asset name or a pretrain workdir; prompt files ("" = shipped)
     cfg.sampler = dict(kind="sde", num_steps=10, shift=1.0, noise_level=0.7, sde_window=(), cfg=3.0,
-                       same_noise_per_group=False, logprob_form="gaussian")  # sde_window () = every step
+                       same_noise_per_group=False, logprob_form="gaussian",  # sde_window () = every step
+                       window=dict(windows.DEFAULTS))  # how the SDE window moves per iteration: fixed, random (Fast), sliding (MixGRPO)
     cfg.train = dict(iterations=200, prompts_per_iteration=8, group_size=12, num_inner_epochs=1, minibatches=4,
                      lr=3e-4, lr_schedule="constant", weight_decay=1e-4, grad_clip=1.0, ema_decay=0.9, ema_every=1, lora_rank=0, lora_init="kaiming",
                      rewards=(("shapes_score", 1.0),), rewards_without_models=(),  # the rewards used instead, with a warning, when

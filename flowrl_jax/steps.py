@@ -26,7 +26,7 @@ from flowrl_jax import compiler, credit as credit_lib, objectives, parallel
 from flowrl_jax.credit.context import Context
 from flowrl_jax.data import curriculum
 from flowrl_jax.policy import Policy, policy_fns
-from flowrl_jax.sampling import rollout as rollout_lib, schedule
+from flowrl_jax.sampling import rollout as rollout_lib, schedule, windows
 
 
 @flax.struct.dataclass
@@ -41,9 +41,11 @@ class TrainState:
     curriculum: Any = None   # per-prompt statistics when config.curriculum.enabled (else None)
 
 
-def sampler_levels(sampler_cfg) -> jax.Array:
-    """[T] noise level per step from `config.sampler` (its SDE window; `()` = every step)."""
-    window = tuple(sampler_cfg.sde_window) if sampler_cfg.sde_window else None
+def sampler_levels(sampler_cfg, window: tuple[int, int] | None = None) -> jax.Array:
+    """[T] noise level per step from `config.sampler`: its SDE window (`()` = every step), or `window` (start, size),
+    the window of an iteration (`sampling.windows.window_at`)."""
+    if window is None:
+        window = tuple(sampler_cfg.sde_window) if sampler_cfg.sde_window else None
     levels = rollout_lib.noise_levels(sampler_cfg.num_steps, sampler_cfg.noise_level, window)
     return levels * 0.0 if sampler_cfg.kind == "ode" else levels
 
@@ -69,7 +71,8 @@ def make_optimizer(t_cfg) -> optax.GradientTransformation:
 
 
 def make_rollout_fn(policy: Policy, world, config, row_sharding: jax.sharding.NamedSharding | None = None) -> Callable:
-    """jit-able `(trainable, frozen, ids, mask, rng) -> (Rollout, cond, null)`. With `train.rollout_chunk`
+    """jit-able `(trainable, frozen, ids, mask, rng, levels=None) -> (Rollout, cond, null)`; `levels [T]`: the iteration's
+    noise level per step (its SDE window, `Steps.levels_at`), None = the config's fixed window. With `train.rollout_chunk`
     (rows per chunk, 0 = all) the rows are sampled `rollout_chunk` at a time (`parallel.map_row_chunks`: each chunk
     spans the batch shards of `row_sharding`, its outputs are written in place), so the activations held at once
     are one chunk's: the memory plan's rollout knob. The initial noise is the whole batch's either way; the step
@@ -81,7 +84,7 @@ def make_rollout_fn(policy: Policy, world, config, row_sharding: jax.sharding.Na
     chunk = t.get("rollout_chunk", 0)
     shards = parallel.batch_shards(row_sharding.mesh) if row_sharding is not None else 1
 
-    def rows_rollout(trainable, frozen, ids, mask, x_T, key):
+    def rows_rollout(trainable, frozen, ids, mask, x_T, key, levels):
         cond = world.encode(frozen, ids, mask)
         null = world.null_condition(frozen, ids.shape[0])
         velocity = rollout_lib.guided(policy.velocity_fn(policy.sampling_variables(trainable, frozen["dit"])), cond, null, s.cfg)
@@ -92,16 +95,17 @@ def make_rollout_fn(policy: Policy, world, config, row_sharding: jax.sharding.Na
         k_noise, k_steps = jax.random.split(rng)
         return rollout_lib.initial_noise(k_noise, world.latent_shape(ids.shape[0]), t.group_size, s.same_noise_per_group), k_steps
 
-    def one(trainable, frozen, rows, k_steps, i):  # chunk i's rollout, its per-row parts only
+    def one(trainable, frozen, rows, k_steps, i, levels=levels):  # chunk i's rollout, its per-row parts only
         ids_c, mask_c, x_c = rows
-        ro, cond, null = rows_rollout(trainable, frozen, ids_c, mask_c, x_c, jax.random.fold_in(k_steps, i))
+        ro, cond, null = rows_rollout(trainable, frozen, ids_c, mask_c, x_c, jax.random.fold_in(k_steps, i), levels)
         return ro.replace(sigmas=None, noise_levels=None), cond, null
 
-    def rollout_fn(trainable, frozen, ids, mask, rng):
+    def rollout_fn(trainable, frozen, ids, mask, rng, levels=None):
+        levels = sampler_levels(s) if levels is None else levels
         x_T, k_steps = noise(ids, rng)
         if not chunk or chunk >= ids.shape[0]:
-            return parallel.constrain_rows(rows_rollout(trainable, frozen, ids, mask, x_T, k_steps), row_sharding, ids.shape[0])
-        out = parallel.map_row_chunks(lambda i, rows: one(trainable, frozen, rows, k_steps, i), (ids, mask, x_T),
+            return parallel.constrain_rows(rows_rollout(trainable, frozen, ids, mask, x_T, k_steps, levels), row_sharding, ids.shape[0])
+        out = parallel.map_row_chunks(lambda i, rows: one(trainable, frozen, rows, k_steps, i, levels), (ids, mask, x_T),
                                       ids.shape[0] // chunk, shards, row_sharding)
         ro, cond, null = parallel.constrain_rows(out, row_sharding, ids.shape[0])
         return ro.replace(sigmas=sigmas, noise_levels=levels), cond, null
@@ -114,7 +118,7 @@ def make_rollout_fn(policy: Policy, world, config, row_sharding: jax.sharding.Na
         pieces = jax.tree_util.tree_map(lambda a: parallel.to_row_chunks(a, ids.shape[0] // chunk, shards), (ids, mask, x_T))
         return [jax.tree_util.tree_map(lambda a: a[i], pieces) for i in range(ids.shape[0] // chunk)], k_steps
 
-    def assemble(outs):
+    def assemble(outs, levels=levels):
         rows = jax.tree_util.tree_map(lambda *chunks: parallel.from_row_chunks(chunks, shards), *outs)
         ro, cond, null = parallel.constrain_rows(rows, row_sharding, rows[0].final.shape[0])
         return ro.replace(sigmas=sigmas, noise_levels=levels), cond, null
@@ -224,23 +228,22 @@ def make_update_fn(policy: Policy, objective, options, optimizer, config, reward
 
 
 def make_image_change_fn(policy: Policy, world, config) -> Callable:
-    """jit-able `(before, after, frozen, ids, mask, rng) -> {total, trained_steps, untrained_steps}`: how far an
+    """jit-able `(before, after, frozen, ids, mask, rng, levels [T]) -> {total, trained_steps, untrained_steps}`: how far an
     update moved the final latents of the first `config.diagnostics.image_change_samples` prompts, at the same
     noise (RMS over elements): with `after` on every step (total), on the trained (SDE-window) steps only
     with `before` elsewhere, and the rest (`after` everywhere against `after` on the trained steps only)."""
     s, t = config.sampler, config.train
     n = min(config.diagnostics.image_change_samples, t.prompts_per_iteration * t.group_size)
-    sigmas, levels = schedule.sigmas(s.num_steps, s.shift), sampler_levels(s)
-    trained_sigmas = np.asarray(sigmas)[:-1][np.asarray(levels) > 0]
+    sigmas = schedule.sigmas(s.num_steps, s.shift)
 
-    def image_change(before, after, frozen, ids, mask, rng):
+    def image_change(before, after, frozen, ids, mask, rng, levels):
         cond = world.encode(frozen, ids[:n], mask[:n])
         null = world.null_condition(frozen, n)
         v_before, v_after = (rollout_lib.guided(policy.velocity_fn(policy.sampling_variables(p, frozen["dit"])), cond, null, s.cfg)
                              for p in (before, after))
 
         def v_mixed(x, sigma):  # `after` on the trained steps, `before` on the others
-            on_trained = jnp.any(jnp.ravel(sigma)[0] == trained_sigmas) if trained_sigmas.size else False
+            on_trained = jnp.any((sigmas[:-1] == jnp.ravel(sigma)[0]) & (levels > 0))
             return jax.lax.cond(on_trained, v_after, v_before, x, sigma)
 
         k_noise, k_steps = jax.random.split(rng)
@@ -326,11 +329,11 @@ class Steps:
         self.state = jax.jit(init_state, out_shardings=self.shardings)(rng)
         data, replicated = parallel.batch_sharding(mesh), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         rollout_fn = make_rollout_fn(policy, world, config, data)
-        self.rollout = jax.jit(rollout_fn, in_shardings=(self.shardings.params, frozen_shardings, data, data, replicated))
+        self._rollout = jax.jit(rollout_fn, in_shardings=(self.shardings.params, frozen_shardings, data, data, replicated, replicated))
         num_chunks = t_cfg.prompts_per_iteration * t_cfg.group_size // t_cfg.rollout_chunk if t_cfg.get("rollout_chunk") else 1
         self._rollout_start = jax.jit(rollout_fn.start, in_shardings=(data, data, replicated), out_shardings=([data] * num_chunks, replicated))
-        self._rollout_chunk = jax.jit(rollout_fn.chunk, in_shardings=(self.shardings.params, frozen_shardings, data, replicated, None),
-                                      out_shardings=data)
+        self._rollout_chunk = jax.jit(rollout_fn.chunk, in_shardings=(self.shardings.params, frozen_shardings, data, replicated, None,
+                                                                      replicated), out_shardings=data)
         self._rollout_assemble = jax.jit(rollout_fn.assemble)
         self.credit = jax.jit(make_credit_fn(credit, "step" in objective.offers(options), config.advantage.null_control), static_argnums=3)
         self.complete = jax.jit(make_completion_fn(policy, config), static_argnums=5)
@@ -340,20 +343,34 @@ class Steps:
         if objective.old_policy is not None:
             self.update_old_policy = jax.jit(functools.partial(update_old_policy, decay=lambda step: objective.old_policy(step, options)),
                                              out_shardings=self.shardings, donate_argnums=0)
-        self.slots = objective.slots(options, np.asarray(sampler_levels(config.sampler)))
+        self.sampler, self.seed = config.sampler, config.seed
+        self.slots = objective.slots(options, np.asarray(sampler_levels(config.sampler)))  # the config's window's (every window has its size)
         self.minibatch_size = minibatch_pairs(t_cfg, len(self.slots))
         self._reward_gradient = None
 
-    def rollout_in_chunks(self, trainable, frozen, ids, mask, rng, on_chunk: Callable) -> tuple:
+    def levels_at(self, it: int) -> np.ndarray:
+        """[T] the noise level per step at iteration `it`: the SDE window of `sampler.window`'s schedule (`sampling.windows`)."""
+        return np.asarray(sampler_levels(self.sampler, windows.window_at(self.sampler, it, self.seed)))
+
+    def slots_at(self, levels: np.ndarray) -> np.ndarray:
+        """The objective's training slots for a rollout drawn at `levels` (the SDE window's steps, for grpo)."""
+        return self.objective.slots(self.options, np.asarray(levels))
+
+    def rollout(self, trainable, frozen, ids, mask, rng, levels=None) -> tuple:
+        """-> (Rollout, cond, null) at `levels [T]` (None: the config's fixed window), batch sharded on the mesh."""
+        return self._rollout(trainable, frozen, ids, mask, rng, np.asarray(sampler_levels(self.sampler) if levels is None else levels))
+
+    def rollout_in_chunks(self, trainable, frozen, ids, mask, rng, on_chunk: Callable, levels=None) -> tuple:
         """`rollout` (with `train.rollout_chunk`) run one chunk per call from the host: `on_chunk(i, (ro_i, cond_i, null_i))`
         as soon as chunk i is dispatched (its rows: `parallel.to_row_chunks`' chunk i), while chunk i + 1 samples.
         -> (Rollout, cond, null)."""
+        levels = np.asarray(sampler_levels(self.sampler) if levels is None else levels)
         pieces, k_steps = self._rollout_start(ids, mask, rng)
         outs = []
         for i, rows in enumerate(pieces):
-            outs.append(self._rollout_chunk(trainable, frozen, rows, k_steps, np.int32(i)))
+            outs.append(self._rollout_chunk(trainable, frozen, rows, k_steps, np.int32(i), levels))
             on_chunk(i, outs[-1])
-        return self._rollout_assemble(outs)
+        return self._rollout_assemble(outs, levels)
 
     def objective_extras(self, prompts_local: list[dict]) -> dict:
         """The objective's host-side inputs for this iteration (the reward model's tokens), batch-sharded."""

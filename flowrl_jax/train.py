@@ -41,6 +41,7 @@ from flowrl_jax.config_lib import ConfigError
 from flowrl_jax.data import curriculum
 from flowrl_jax.models import lora
 from flowrl_jax.rewards import remote
+from flowrl_jax.sampling import windows
 from flowrl_jax.steps import Steps, TrainState, learning_rate, minibatches, sampler_levels
 
 
@@ -105,7 +106,7 @@ def validate(config):
         credit = credit_lib.build(config.credit.names, config.credit, config.advantage.global_std, config.advantage.clip)
         rewards.check(config.train.rewards, config.world.get("reward_models"))  # the device rewards' folders, before compiling
         remote.settings(config.train.get("remote_rewards"))
-        sampler_levels(s)
+        sampler_levels(s, windows.window_at(s, 0, config.seed))  # the window's schedule and its options
         world = worlds.build(config)
         for prompts in (world.train_prompts, getattr(world, "test_prompts", None) or []):  # the latent world's eval scores
             rewards.check_prompts(config.train.rewards, prompts)  # test prompts with train.rewards; e.g. OCR's quoted text
@@ -216,7 +217,8 @@ def sample_prompts(job: Job, state: TrainState, it: int) -> dict:
         local = [job.world.train_prompts[i] for i in drawn for _ in range(t_cfg.group_size)][job.local]
     group_ids = np.repeat(np.arange(t_cfg.prompts_per_iteration, dtype=np.int32), t_cfg.group_size)
     ids, mask = parallel.shard_batch(job.world.tokenize(local), job.mesh)
-    return {"drawn": drawn, "prompts_local": local, "group_ids": group_ids, "ids": ids, "mask": mask}
+    return {"drawn": drawn, "prompts_local": local, "group_ids": group_ids, "ids": ids, "mask": mask,
+            "levels": job.steps.levels_at(it)}  # the iteration's SDE window (sampler.window)
 
 
 def rollout(job: Job, state: TrainState, batch: dict, it: int):
@@ -226,7 +228,7 @@ def rollout(job: Job, state: TrainState, batch: dict, it: int):
     params = state.old if job.steps.objective.old_policy is not None else state.params
     rng = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(job.config.seed), it), 0)
     if job.pool is None:
-        return job.steps.rollout(params, job.steps.frozen, batch["ids"], batch["mask"], rng)
+        return job.steps.rollout(params, job.steps.frozen, batch["ids"], batch["mask"], rng, batch["levels"])
     b, chunk = len(batch["group_ids"]), job.config.train.rollout_chunk
     order = parallel.to_row_chunks(np.arange(b), b // chunk, parallel.batch_shards(job.mesh))  # chunk i's global rows
     batch["early"] = []
@@ -237,7 +239,7 @@ def rollout(job: Job, state: TrainState, batch: dict, it: int):
         prompts = [batch["prompts_local"][r] for r in mine]
         batch["early"].append((mine, job.pool.submit(lambda: job.reward_fn.host_parts(parallel.local_rows(images), prompts))))
 
-    return job.steps.rollout_in_chunks(params, job.steps.frozen, batch["ids"], batch["mask"], rng, on_chunk)
+    return job.steps.rollout_in_chunks(params, job.steps.frozen, batch["ids"], batch["mask"], rng, on_chunk, batch["levels"])
 
 
 def host_rewards(job: Job, images, batch: dict) -> dict:
@@ -295,15 +297,15 @@ def assign_credit(job: Job, state: TrainState, ro, cond, null, batch: dict, scor
     return state, adv, parallel.to_host(keep)
 
 
-def update(job: Job, state: TrainState, data: dict, keep: np.ndarray, it: int) -> tuple[TrainState, dict, int]:
-    """`num_inner_epochs` shuffled passes over the kept samples x the objective's slots, one optimizer step
+def update(job: Job, state: TrainState, data: dict, keep: np.ndarray, slots: np.ndarray, it: int) -> tuple[TrainState, dict, int]:
+    """`num_inner_epochs` shuffled passes over the kept samples x the objective's `slots`, one optimizer step
     per minibatch; then the old policy follows. -> (state, mean stats, number of updates). The objective's
     per-minibatch `alignment` becomes `alignment_heldout` (first epoch, after its first minibatch: samples
     no update has seen) and `alignment_trained` (later epochs)."""
     t_cfg, steps, seed = job.config.train, job.steps, job.config.seed
     step_stats, aligned = [], {"alignment_heldout": [], "alignment_trained": []}
     for epoch in range(t_cfg.num_inner_epochs):
-        chunks = minibatches(keep, steps.slots, steps.minibatch_size, np.random.default_rng([seed, it, epoch]))
+        chunks = minibatches(keep, slots, steps.minibatch_size, np.random.default_rng([seed, it, epoch]))
         for i, (rows, slots, weight) in enumerate(chunks):
             state, stats = steps.update(state, steps.frozen, data, rows, slots, weight)
             step_stats.append(stats)
@@ -330,7 +332,8 @@ def run_eval(job: Job, state: TrainState, step: int) -> dict:
     return entry
 
 
-def log_iteration(job: Job, done: int, scored: dict, stats: dict, keep: np.ndarray, num_updates: int, times: list) -> dict:
+def log_iteration(job: Job, done: int, scored: dict, stats: dict, keep: np.ndarray, slots: np.ndarray, num_updates: int,
+                  times: list) -> dict:
     """One metrics.jsonl / TensorBoard row: rewards, the objective's stats (per-step ones per slot), timings."""
     t0, t1, t2, t3 = times
     scalars = {"reward": float(scored["reward"].mean()), "reward_std": float(scored["reward"].std()), "kept_fraction": float(keep.mean()),
@@ -338,7 +341,7 @@ def log_iteration(job: Job, done: int, scored: dict, stats: dict, keep: np.ndarr
                **{k: float(v) for k, v in stats.items() if np.ndim(v) == 0},
                "rollout_s": t1 - t0, "reward_s": t2 - t1, "update_s": t3 - t2, "updates": num_updates, "wall_s": job.history["wall_s"]}
     for key in (k for k in stats if k.endswith("_per_step")):
-        for t in job.steps.slots:
+        for t in slots:
             scalars[f"{key[:-9]}/step_{t}"] = float(stats[key][t])
     job.writer.scalars(done, scalars)
     return scalars
@@ -382,15 +385,17 @@ def iteration(job: Job, state: TrainState, it: int) -> tuple[TrainState, dict]:
     t2 = time.time()
     diag = job.config.diagnostics
     before = jax.tree_util.tree_map(jnp.copy, state.params) if itstime(it + 1, diag.image_change_every, job.config.train.iterations) else None
-    state, stats, num_updates = update(job, state, data, keep, it)
+    slots = job.steps.slots_at(batch["levels"])
+    state, stats, num_updates = update(job, state, data, keep, slots, it)
     t3 = time.time()
     job.history["wall_s"] += t3 - t0
     if before is not None:  # the same-noise change of the final latents, trained vs untrained steps (not in wall_s)
-        change = job.steps.image_change(before, state.params, job.steps.frozen, batch["ids"], batch["mask"], jax.random.fold_in(key, 7))
+        change = job.steps.image_change(before, state.params, job.steps.frozen, batch["ids"], batch["mask"], jax.random.fold_in(key, 7),
+                                         batch["levels"])
         stats.update({f"image_change/{k}": np.asarray(v) for k, v in change.items()})
     if job.history["first_iteration_s"] is None:
         job.history["first_iteration_s"] = t3 - t0
-    return state, log_iteration(job, it + 1, scored, stats, keep, num_updates, [t0, t1, t2, t3])
+    return state, log_iteration(job, it + 1, scored, stats, keep, slots, num_updates, [t0, t1, t2, t3])
 
 
 # -------------------------------------------------------------------------------------------------- run

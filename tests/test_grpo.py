@@ -75,7 +75,7 @@ def _setup(kind="sde", b=6, seed=0):
 
 def _options(**kw):
     return ConfigDict(dict(dict(clip_range=0.01, beta=0.04, ratio="sample", kl_form="exact", lambda_control=False, patch_size=2,
-                                logprob_form="gaussian", num_steps=6, kernel="sde"), **kw))
+                                logprob_form="gaussian", num_steps=6, kernel="sde", ratio_norm=False), **kw))
 
 
 def test_uniform_per_sample_loss_reproduces_flow_grpo():
@@ -95,6 +95,31 @@ def test_uniform_per_sample_loss_reproduces_flow_grpo():
     np.testing.assert_allclose(aux["clipfrac"], np.mean(np.abs(ratio - 1) > eps), atol=1e-6)
     assert 0 < float(aux["clipfrac"]) < 1 and float(aux["kl"]) > 0
 
+
+
+def test_grpo_guard_ratio_norm_is_the_noise_projection_of_the_mean_change_divided_by_dt():
+    # GRPO-Guard's RatioNorm written another way: with x' = mu_old + std eps (the rollout's own noise),
+    # (dl + mean_e dmu^2 / (2 std^2)) std = mean_e eps dmu exactly, so the ratio is exp(mean_e eps dmu), computed here in
+    # float64 from the rollout's states and the two kernel means, without any log-density; each term is divided by |dt|.
+    ro, mb, mean_fn, adv = _setup()
+    theta, eps = 1.3, 2e-4
+    loss, aux = grpo.clipped_loss(theta, 1.0, mb, PolicyFns(mean_fn, None, None), _options(beta=0.0, clip_range=eps, ratio_norm=True))
+    mean, std, _ = mean_fn(theta, mb)
+    std64 = np.asarray(mb["std"], np.float64)[:, None, None, None]
+    noise = (np.asarray(mb["x_next"], np.float64) - np.asarray(mb["mean_old"], np.float64)) / std64
+    log_rho = np.mean(noise * (np.asarray(mean, np.float64) - np.asarray(mb["mean_old"], np.float64)), axis=(1, 2, 3))
+    rho, a = np.exp(log_rho), np.asarray(mb["adv"], np.float64)[:, 0]
+    dt = np.asarray(mb["sigma"] - mb["sigma_next"], np.float64)
+    expected = np.mean(np.maximum(-a * rho, -a * np.clip(rho, 1 - eps, 1 + eps)) / dt)
+    # The float32 path forms dl from per-element log-densities of size <= ~10 (eps^2 / 2 + |log std| + 0.92) and rounds
+    # each to 6e-8 relative: |error of log rho| <= 10 * 6e-8 * max std (0.6 here) = 3.6e-7, and the loss moves by
+    # that times mean |A| / dt; x10 for the sums' roundings.
+    atol = 10 * 3.6e-7 * float(np.mean(np.abs(a) / dt))
+    np.testing.assert_allclose(float(loss), expected, atol=atol)
+    np.testing.assert_allclose(float(aux["clipfrac"]), np.mean(np.abs(rho - 1) > eps), atol=1e-6)
+    assert 0 < float(aux["clipfrac"]) < 1  # both branches of the clip are exercised
+    plain, _ = grpo.clipped_loss(theta, 1.0, mb, PolicyFns(mean_fn, None, None), _options(beta=0.0, clip_range=eps))
+    assert abs(float(plain) - expected) > 100 * atol  # the normalisation is not a no-op on this case
 
 @pytest.mark.parametrize("ratio", ["sample", "token"])
 def test_on_policy_ratio_is_one_and_the_loss_is_minus_the_mean_advantage(ratio):

@@ -70,3 +70,17 @@ def test_objectives_reject_samplers_and_credit_they_cannot_use(smoke_base, tmp_p
                           ({"objective.name": "advantage_flow", "sampler.kind": "ode", "credit.names": ("stepwise",)}, "needs per-step")]:
         with pytest.raises(ConfigError, match=match):
             _run(smoke_base, tmp_path / "bad", **fields)
+
+
+def test_a_sliding_window_and_grpo_guard_train_through_the_shared_loop(smoke_base, tmp_path, monkeypatch):
+    # MixGRPO's sliding window (moved 1 step every iteration) with GRPO-Guard's RatioNorm: each iteration trains, and logs,
+    # the steps of its own window, and the same-noise image change reads the moving window.
+    _brightness_reward(monkeypatch)
+    out = _run(smoke_base, tmp_path, **{"train.iterations": 2, "sampler.sde_window": (0, 2), "sampler.window.schedule": "sliding",
+                                        "sampler.window.shift_every": 1, "objective.grpo.ratio_norm": True,
+                                        "diagnostics.image_change_every": 1})
+    assert out["step"] == 2
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"reward"' in line]
+    logged = [sorted(int(k.split("_")[-1]) for k in r if k.startswith("clipfrac/step_")) for r in rows]
+    assert logged == [[0, 1], [1, 2]]  # TINY's 3 steps: windows (0, 2) then (1, 2)
+    assert all(r["updates"] == TINY["train.minibatches"] and r["image_change/trained_steps"] > 0 for r in rows)

@@ -32,6 +32,11 @@ affine kernels (sde, cps). The objective then (i) calibrates `rho~ = rho exp(sg(
 or per token with the token's V), (ii) clips `rho~` at `eps`, (iii) weights each pair by the effort
 `w_t = (1 / kappa_t) / mean_u(1 / kappa_u)` over the trained steps u, (iv) drops the gradient of the
 steps whose minibatch-mean `V_t` exceeds the budget `lambda D = eps^2 D` that round.
+
+GRPO-Guard (`ratio_norm=True`, `configs/grpo_guard.py`; flow_grpo's `scripts/train_sd3_GRPO_Guard.py`, `config.rationorm`):
+RatioNorm `log rho = (mean_e l_theta - mean_e l_old + mean_e dmu^2 / (2 std^2)) std` per sample (no stop-gradient; with
+`x' = mu_old + std eps` it is `mean_e eps dmu`, centred at 0 whatever the step's std), then each pair's clipped term is
+divided by `sigma - sigma_next` (= `sqrt(-dt)^2`, upstream's gradient reweighting across steps).
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ from flowrl_jax.models.mmdit import patchify
 from flowrl_jax.sampling import kernels
 
 DEFAULTS = {"clip_range": 1e-4, "beta": 0.04, "ratio": "sample", "kl_form": "flow_grpo", "lambda_control": False,
-            "detach_uncond": True}
+            "detach_uncond": True, "ratio_norm": False}
 RATIOS = ("sample", "token")
 KL_FORMS = ("exact", "flow_grpo")
 AFFINE_KINDS = ("sde", "cps")
@@ -56,6 +61,9 @@ def check(options, sampler) -> None:
         raise ValueError(f"objective.grpo.ratio={options.ratio!r}: choose one of {', '.join(RATIOS)}")
     if options.kl_form not in KL_FORMS:
         raise ValueError(f"objective.grpo.kl_form={options.kl_form!r}: choose one of {', '.join(KL_FORMS)}")
+    if options.get("ratio_norm") and (options.ratio != "sample" or options.lambda_control or options.get("logprob_form", "gaussian") != "gaussian"):
+        raise ValueError("objective.grpo.ratio_norm=True (GRPO-Guard) normalises the per-sample Gaussian log-ratio: it needs "
+                         "ratio='sample', lambda_control=False and sampler.logprob_form='gaussian'")
     kinds = AFFINE_KINDS if options.lambda_control else ("sde", "cps", "lc")
     if sampler.kind not in kinds:
         raise ValueError(f"sampler.kind={sampler.kind!r} cannot be trained on by objective 'grpo'"
@@ -161,8 +169,12 @@ def clipped_loss(params, ref_params, mb: dict, fns, options) -> tuple[jax.Array,
     v_step, _ = _per_step(v_pair, w, mb["step"], options.num_steps)
     if lambda_control:
         log_ratio = log_ratio + jax.lax.stop_gradient(v_ratio) / 2
+    if options.get("ratio_norm"):  # GRPO-Guard's RatioNorm (module doc); std = 0 (ODE) pairs have weight 0
+        log_ratio = (log_ratio + v_ratio / 2) * std[:, None]
     ratio = jnp.exp(log_ratio)
     per_pair = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - eps, 1 + eps)).mean(-1)  # [M]
+    if options.get("ratio_norm"):  # and its reweighting across steps, 1 / |dt|
+        per_pair = per_pair / (mb["sigma"] - mb["sigma_next"])
     in_budget = jnp.ones_like(w)
     if lambda_control:
         in_budget = (jax.lax.stop_gradient(v_step)[mb["step"]] <= budget).astype(w.dtype)

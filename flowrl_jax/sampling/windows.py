@@ -1,0 +1,47 @@
+"""Where the SDE window sits at each iteration (SPEC.md §1): fixed, drawn at random (Flow-GRPO-Fast) or sliding (MixGRPO).
+
+    start, size = window_at(config.sampler, it, seed)        # host ints, the same on every process
+
+`sampler.sde_window = (start, size)` is the window (`()` = every step); `sampler.window` (`DEFAULTS`) says how it moves:
+- `fixed`: the same window every iteration (Flow-GRPO, DanceGRPO).
+- `random` (flow_grpo's `train_sd3_fast.py`): each iteration draws `start` uniformly in `range[0] .. range[1] - size`
+  (inclusive; upstream's `random.randint(lo, hi - size)`), from `(seed, it)` so every process draws the same.
+- `sliding` (MixGRPO's `--sample_strategy progressive`): `start = start_0 + (it // shift_every) * stride`, wrapped back
+  to 0 past the last start that fits (`wrap`, MixGRPO's `--roll_back`) or held there.
+Only the window's steps are trained (`objectives.grpo.slots`); the size never changes, so one compile serves every window.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flowrl_jax.options import resolve
+
+SCHEDULES = ("fixed", "random", "sliding")
+DEFAULTS = {"schedule": "fixed", "range": (), "shift_every": 25, "stride": 1, "wrap": True}
+
+
+def base_window(sampler) -> tuple[int, int]:
+    """`sampler.sde_window` as (start, size); `()` = every step."""
+    return tuple(sampler.sde_window) if sampler.sde_window else (0, sampler.num_steps)
+
+
+def window_at(sampler, it: int, seed: int) -> tuple[int, int]:
+    """(start, size) of the SDE window at iteration `it` (module doc); ValueError naming the option when it cannot fit."""
+    o = resolve(DEFAULTS, sampler.get("window"), owner="sampler.window")
+    start, size = base_window(sampler)
+    steps = sampler.num_steps
+    if o.schedule not in SCHEDULES:
+        raise ValueError(f"sampler.window.schedule={o.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    if o.schedule == "random":
+        lo, hi = tuple(o.range) if o.range else (0, steps)
+        if not 0 <= lo <= hi - size or hi > steps:
+            raise ValueError(f"sampler.window.range=({lo}, {hi}) cannot hold a window of {size} steps in {steps}: "
+                             f"need 0 <= lo <= hi - {size} and hi <= {steps}")
+        return int(np.random.default_rng([seed, it, 3]).integers(lo, hi - size + 1)), size
+    if o.schedule == "sliding":
+        if o.shift_every < 1 or o.stride < 0:
+            raise ValueError(f"sampler.window.shift_every={o.shift_every} must be >= 1 and stride={o.stride} >= 0")
+        start = start + (it // o.shift_every) * o.stride
+        last = steps - size
+        return (start % (last + 1) if o.wrap else min(start, last)), size
+    return start, size
