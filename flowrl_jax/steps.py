@@ -44,9 +44,7 @@ class TrainState:
 def sampler_levels(sampler_cfg, window: tuple[int, int] | None = None) -> jax.Array:
     """[T] noise level per step from `config.sampler`: its SDE window (`()` = every step), or `window` (start, size),
     the window of an iteration (`sampling.windows.window_at`)."""
-    if window is None:
-        window = tuple(sampler_cfg.sde_window) if sampler_cfg.sde_window else None
-    levels = rollout_lib.noise_levels(sampler_cfg.num_steps, sampler_cfg.noise_level, window)
+    levels = rollout_lib.noise_levels(sampler_cfg.num_steps, sampler_cfg.noise_level, window or windows.base_window(sampler_cfg))
     return levels * 0.0 if sampler_cfg.kind == "ode" else levels
 
 
@@ -100,8 +98,7 @@ def make_rollout_fn(policy: Policy, world, config, row_sharding: jax.sharding.Na
         ro, cond, null = rows_rollout(trainable, frozen, ids_c, mask_c, x_c, jax.random.fold_in(k_steps, i), levels)
         return ro.replace(sigmas=None, noise_levels=None), cond, null
 
-    def rollout_fn(trainable, frozen, ids, mask, rng, levels=None):
-        levels = sampler_levels(s) if levels is None else levels
+    def rollout_fn(trainable, frozen, ids, mask, rng, levels=levels):
         x_T, k_steps = noise(ids, rng)
         if not chunk or chunk >= ids.shape[0]:
             return parallel.constrain_rows(rows_rollout(trainable, frozen, ids, mask, x_T, k_steps, levels), row_sharding, ids.shape[0])
@@ -344,7 +341,8 @@ class Steps:
             self.update_old_policy = jax.jit(functools.partial(update_old_policy, decay=lambda step: objective.old_policy(step, options)),
                                              out_shardings=self.shardings, donate_argnums=0)
         self.sampler, self.seed = config.sampler, config.seed
-        self.slots = objective.slots(options, np.asarray(sampler_levels(config.sampler)))  # the config's window's (every window has its size)
+        self.levels = np.asarray(sampler_levels(config.sampler))  # the config's window's levels (the default rollout's)
+        self.slots = self.slots_at(self.levels)  # its slots (every window of the schedule has its size)
         self.minibatch_size = minibatch_pairs(t_cfg, len(self.slots))
         self._reward_gradient = None
 
@@ -358,13 +356,13 @@ class Steps:
 
     def rollout(self, trainable, frozen, ids, mask, rng, levels=None) -> tuple:
         """-> (Rollout, cond, null) at `levels [T]` (None: the config's fixed window), batch sharded on the mesh."""
-        return self._rollout(trainable, frozen, ids, mask, rng, np.asarray(sampler_levels(self.sampler) if levels is None else levels))
+        return self._rollout(trainable, frozen, ids, mask, rng, self.levels if levels is None else levels)
 
     def rollout_in_chunks(self, trainable, frozen, ids, mask, rng, on_chunk: Callable, levels=None) -> tuple:
         """`rollout` (with `train.rollout_chunk`) run one chunk per call from the host: `on_chunk(i, (ro_i, cond_i, null_i))`
         as soon as chunk i is dispatched (its rows: `parallel.to_row_chunks`' chunk i), while chunk i + 1 samples.
         -> (Rollout, cond, null)."""
-        levels = np.asarray(sampler_levels(self.sampler) if levels is None else levels)
+        levels = self.levels if levels is None else levels
         pieces, k_steps = self._rollout_start(ids, mask, rng)
         outs = []
         for i, rows in enumerate(pieces):

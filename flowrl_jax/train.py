@@ -306,8 +306,8 @@ def update(job: Job, state: TrainState, data: dict, keep: np.ndarray, slots: np.
     step_stats, aligned = [], {"alignment_heldout": [], "alignment_trained": []}
     for epoch in range(t_cfg.num_inner_epochs):
         chunks = minibatches(keep, slots, steps.minibatch_size, np.random.default_rng([seed, it, epoch]))
-        for i, (rows, slots, weight) in enumerate(chunks):
-            state, stats = steps.update(state, steps.frozen, data, rows, slots, weight)
+        for i, (rows, pair_slots, weight) in enumerate(chunks):
+            state, stats = steps.update(state, steps.frozen, data, rows, pair_slots, weight)
             step_stats.append(stats)
             if "alignment" in stats and (epoch or i):  # the first minibatch is on-policy: no change to correlate yet
                 aligned["alignment_trained" if epoch else "alignment_heldout"].append(stats["alignment"])

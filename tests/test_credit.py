@@ -314,7 +314,7 @@ def _lambda_setup(b=6, theta=1.0):
     rows, steps = (a.ravel().astype(np.int32) for a in np.meshgrid(np.arange(b), np.arange(5), indexing="ij"))
     adv = jax.random.normal(jax.random.PRNGKey(2), (b, 1, 1))
     mb = grpo.gather_pairs(ro, adv, jnp.zeros((b, 1)), jnp.zeros((b, 1)), rows, steps, np.ones(len(rows), np.float32))
-    options = ConfigDict(dict(clip_range=0.05, beta=0.0, ratio="sample", kl_form="exact", lambda_control=False, patch_size=2,
+    options = ConfigDict(dict(clip_range=0.05, beta=0.0, ratio="sample", kl_form="exact", lambda_control=False, ratio_norm=False, patch_size=2,
                               logprob_form="gaussian", num_steps=6, kernel="sde"))
     return mb, PolicyFns(mean_fn, None, None), options, base
 

@@ -61,7 +61,7 @@ def check(options, sampler) -> None:
         raise ValueError(f"objective.grpo.ratio={options.ratio!r}: choose one of {', '.join(RATIOS)}")
     if options.kl_form not in KL_FORMS:
         raise ValueError(f"objective.grpo.kl_form={options.kl_form!r}: choose one of {', '.join(KL_FORMS)}")
-    if options.get("ratio_norm") and (options.ratio != "sample" or options.lambda_control or options.get("logprob_form", "gaussian") != "gaussian"):
+    if options.ratio_norm and (options.ratio != "sample" or options.lambda_control or options.logprob_form != "gaussian"):
         raise ValueError("objective.grpo.ratio_norm=True (GRPO-Guard) normalises the per-sample Gaussian log-ratio: it needs "
                          "ratio='sample', lambda_control=False and sampler.logprob_form='gaussian'")
     kinds = AFFINE_KINDS if options.lambda_control else ("sde", "cps", "lc")
@@ -143,8 +143,8 @@ def alignment(adv, log_ratio, weight):
 
 def clipped_loss(params, ref_params, mb: dict, fns, options) -> tuple[jax.Array, dict]:
     """-> (loss, aux) for `options` with fields clip_range, beta, ratio, kl_form, lambda_control, patch_size,
-    logprob_form, num_steps, kernel (module doc); `lambda_control` adds SPEC §4's (i)-(iv)."""
-    lambda_control = bool(options.lambda_control)
+    logprob_form, num_steps, kernel, ratio_norm (module doc); `lambda_control` adds SPEC §4's (i)-(iv), `ratio_norm` GRPO-Guard's."""
+    lambda_control, ratio_norm = bool(options.lambda_control), bool(options.ratio_norm)
     affine = options.kernel != "lc"
     if lambda_control and not affine:
         raise ValueError("lambda-controlled GRPO needs an affine kernel (sampler.kind sde or cps), not lc")
@@ -169,11 +169,11 @@ def clipped_loss(params, ref_params, mb: dict, fns, options) -> tuple[jax.Array,
     v_step, _ = _per_step(v_pair, w, mb["step"], options.num_steps)
     if lambda_control:
         log_ratio = log_ratio + jax.lax.stop_gradient(v_ratio) / 2
-    if options.get("ratio_norm"):  # GRPO-Guard's RatioNorm (module doc); std = 0 (ODE) pairs have weight 0
+    if ratio_norm:  # GRPO-Guard's RatioNorm (module doc); std = 0 (ODE) pairs have weight 0
         log_ratio = (log_ratio + v_ratio / 2) * std[:, None]
     ratio = jnp.exp(log_ratio)
     per_pair = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - eps, 1 + eps)).mean(-1)  # [M]
-    if options.get("ratio_norm"):  # and its reweighting across steps, 1 / |dt|
+    if ratio_norm:  # and its reweighting across steps, 1 / |dt|
         per_pair = per_pair / (mb["sigma"] - mb["sigma_next"])
     in_budget = jnp.ones_like(w)
     if lambda_control:
