@@ -11,6 +11,9 @@ over groups:
   covariance), with a jackknife 95% interval;
 - a batch of n groups has gradient SNR `||mu||^2 / (tr Sigma / n)`, so `n* = tr Sigma / ||mu||^2` groups give SNR 1:
   the smallest batch whose update is more signal than noise;
+- SNR per second: `seconds_for_snr_1 = n* x` the warm seconds one group costs (its share of a rollout with the reward,
+  plus its gradient; medians after the first call, so the compile is left out); `*_at_least` use the interval's
+  upper end of `||mu||^2`, a lower bound that stays finite when the interval does not exclude zero;
 - `transfer`: the mean cosine of a group's gradient with the mean of the other groups' (how much an update on
   some prompts moves the policy for the others; 0 for unrelated directions).
 With `--null` the advantages are shuffled within each group first (the null control): `||mu||^2` must then be 0
@@ -40,8 +43,10 @@ from flowrl_jax.steps import Steps, sampler_levels
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def group_gradients(config, num_groups: int, null: bool, seed: int) -> np.ndarray:
-    """[K, P] the per-group on-policy gradients (module doc), flattened."""
+def group_gradients(config, num_groups: int, null: bool, seed: int) -> tuple[np.ndarray, np.ndarray, dict]:
+    """-> ([K, P] the per-group on-policy gradients (module doc), flattened; [K G] rewards; warm seconds per group:
+    `rollout_s` (sampling + reward, per rollout / its groups) and `gradient_s` (one group's pairs), each the median over
+    calls after the first, so the compile is left out)."""
     t = config.train
     mesh = parallel.make_mesh(config.mesh)
     world = worlds.build(config)
@@ -50,15 +55,17 @@ def group_gradients(config, num_groups: int, null: bool, seed: int) -> np.ndarra
     steps = Steps(config, mesh, world, dit, base, credit)
     reward_fn = world.reward_fn(t.rewards)
     per_rollout = t.prompts_per_iteration
-    rollouts, rewards = [], []
+    rollouts, rewards, rollout_s, gradient_s = [], [], [], []
     for r in range((num_groups + per_rollout - 1) // per_rollout):
         drawn = world.sample_prompts(per_rollout, np.random.default_rng([seed, r]))
         prompts = [world.train_prompts[i] for i in drawn for _ in range(t.group_size)]
         ids, mask = parallel.shard_batch(world.tokenize(prompts), mesh)
         levels = steps.levels_at(r)  # the window of iteration r under the config's schedule (Fast: random; MixGRPO: sliding)
+        start = time.perf_counter()
         ro, cond, null_cond = steps.rollout(steps.state.params, steps.frozen, ids, mask, jax.random.PRNGKey(1000 * seed + r), levels)
         rollouts.append((ro, cond, null_cond, steps.slots_at(levels)))
         rewards.append(np.asarray(reward_fn(np.asarray(world.decode(steps.frozen, ro.final)), prompts)[0], np.float32))
+        rollout_s.append((time.perf_counter() - start) / per_rollout)
     reward = np.concatenate(rewards)
     group_ids = np.repeat(np.arange(len(reward) // t.group_size), t.group_size)
     adv = group.group_advantages(jnp.asarray(reward), jnp.asarray(group_ids), len(reward) // t.group_size,
@@ -84,9 +91,12 @@ def group_gradients(config, num_groups: int, null: bool, seed: int) -> np.ndarra
         a = np.zeros((batch, 1, 1), np.float32)
         a[:, 0, 0] = adv[(k // per_rollout) * batch:(k // per_rollout + 1) * batch]
         data = {"rollout": ro, "adv": jnp.asarray(a), "cond": cond, "null": null_cond}
+        start = time.perf_counter()
         grads.append(np.asarray(grad(steps.state.params, steps.frozen, data, rows.ravel().astype(np.int32),
                                      slots.ravel().astype(np.int32), np.ones(rows.size, np.float32))))
-    return np.stack(grads), reward
+        gradient_s.append(time.perf_counter() - start)
+    warm = {"rollout_s": float(np.median(rollout_s[1:] or rollout_s)), "gradient_s": float(np.median(gradient_s[1:]))}
+    return np.stack(grads), reward, warm
 
 
 def signal_and_noise(g: np.ndarray) -> dict:
@@ -121,11 +131,18 @@ def main() -> None:
     overrides = {k: ast.literal_eval(v) for k, v in (s.split("=", 1) for s in args.set)}
     config.update_from_flattened_dict(overrides)
     t0 = time.time()
-    g, reward = group_gradients(config, args.groups, args.null, args.seed)
+    g, reward, warm = group_gradients(config, args.groups, args.null, args.seed)
+    stats = signal_and_noise(g)
+    per_group = warm["rollout_s"] + warm["gradient_s"]  # warm seconds of sampling, reward and gradient for one group
+    hi = stats["mu2_ci95"][1]
     out = {"config": args.config, "overrides": overrides, "null": args.null, "groups": args.groups, "seed": args.seed,
            "group_size": config.train.group_size, "trained_steps": int(np.sum(np.asarray(sampler_levels(config.sampler)) > 0)),
            "reward_mean": float(reward.mean()),
-           **signal_and_noise(g), "wall_s": time.time() - t0, "platform": platform.platform()}
+           **stats, "groups_for_snr_1_at_least": stats["trace_sigma"] / hi if hi > 0 else float("inf"),
+           "rollout_s_per_group": warm["rollout_s"], "gradient_s_per_group": warm["gradient_s"],
+           "seconds_for_snr_1": stats["groups_for_snr_1"] * per_group,
+           "seconds_for_snr_1_at_least": stats["trace_sigma"] / hi * per_group if hi > 0 else float("inf"),
+           "wall_s": time.time() - t0, "platform": platform.platform()}
     print(json.dumps(out))
     runs = json.load(open(args.out)) if os.path.exists(args.out) else []
     with open(args.out, "w") as f:
