@@ -1,14 +1,17 @@
 """lambda-GRPO's claim (SPEC §4): with every SDE step trained, does the baseline's late-step path variance overshoot
 its budget, and does lambda control keep it inside?
 
-    python benchmarks/lambda_budget.py [--iterations 12] [--seed 0]
+    python benchmarks/lambda_budget.py [--iterations 12] [--seeds 0,1,2]
 
-Runs Flow-GRPO and lambda-GRPO (`configs/lambda_grpo.py`) from the same base, seed and batches with the SDE on steps
-0..8 of 10 (`sampler.sde_window=(0, 9)`, independent initial noise per image), the rest of the embedded budget
-unchanged, for `--iterations` iterations each. From their metrics.jsonl: per step t, the measured path variance
-`V_t = mean_e (mu_theta - mu_old)^2 / std_t^2` of the updates (the objective's log, a mean over each iteration's
-minibatches; the first minibatch is on-policy, V = 0) against the budget `lambda D = eps^2 D`, and the fraction of
-(iteration, step) cells over it. Writes `benchmarks/results/lambda_budget.{json,png}` and prints a table.
+Runs Flow-GRPO (`configs/flow_grpo_cpu.py`), GRPO-Guard (`configs/grpo_guard.py`, the seed paper's baseline) and
+lambda-GRPO (`configs/lambda_grpo.py`) from the same base, seed and batches with the SDE on steps 0..8 of 10
+(`sampler.sde_window=(0, 9)`, independent initial noise per image, every SDE step trained), the rest of each config
+unchanged, for `--iterations` iterations each and every seed. From their metrics.jsonl: per step t, the measured path
+variance `V_t = mean_e (mu_theta - mu_old)^2 / std_t^2` of the updates (the objective's log, a mean over each
+iteration's minibatches; the first minibatch is on-policy, V = 0) against one budget for all, lambda-GRPO's
+`lambda D = eps^2 D` (Guard's own clip range, 2e-6, would put it on another scale), and the fraction of (iteration,
+step) cells over it, with its mean and 95% t-interval over seeds. Writes `benchmarks/results/lambda_budget.{json,png}`
+and prints a table.
 """
 from __future__ import annotations
 
@@ -17,10 +20,13 @@ import json
 import os
 import runpy
 import shutil
+import sys
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from benchmarks.compare_methods import interval  # noqa: E402  (mean, 95% t half-width over seeds)
 RUNS = {"flow_grpo": "configs/flow_grpo_cpu.py", "grpo_guard": "configs/grpo_guard.py", "lambda_grpo": "configs/lambda_grpo.py"}
 
 
@@ -35,26 +41,35 @@ def config_for(path: str, args):
 
 
 def per_step(workdir: str) -> dict:
+    """One run's per-step path variance `v [iterations, steps]` and its own budget, from its metrics.jsonl."""
     rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
     rows = [r for r in rows if "path_variance_budget" in r]
     steps = sorted({int(k.split("_")[-1]) for r in rows for k in r if k.startswith("path_variance/step_")})
     v = np.array([[r[f"path_variance/step_{t}"] for t in steps] for r in rows])  # [iterations, steps]
-    budget = rows[0]["path_variance_budget"]
-    return {"steps": steps, "mean": v.mean(0).tolist(), "max": v.max(0).tolist(), "budget": budget,
-            "over_budget_cells": float(np.mean(v > budget)), "over_budget_fraction": [r.get("over_budget_fraction", 0.0) for r in rows],
-            "reward": [r["reward"] for r in rows]}
+    return {"steps": steps, "v": v.tolist(), "own_budget": rows[0]["path_variance_budget"], "reward": [r["reward"] for r in rows]}
 
 
-def plot(curves: dict, path: str) -> None:
+def summarize(runs: dict, budget: float) -> dict:
+    """Per method, over seeds: V_t's mean and max per step, the fraction of cells over `budget` and the last step's
+    mean V over the budget, each with its 95% interval."""
+    out = {}
+    for name, seeds in runs.items():
+        v = np.stack([np.asarray(r["v"]) for r in seeds.values()])  # [seeds, iterations, steps]
+        out[name] = {"steps": next(iter(seeds.values()))["steps"], "mean": v.mean((0, 1)).tolist(), "max": v.max((0, 1)).tolist(),
+                     "over_budget_cells": interval((v > budget).mean((1, 2))), "last_step_over_budget": interval(v[:, :, -1].mean(1) / budget)}
+    return out
+
+
+def plot(curves: dict, budget: float, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, c in curves.items():
-        line, = ax.plot(c["steps"], c["mean"], marker="o", label=f"{name}: mean over iterations")
+        line, = ax.plot(c["steps"], c["mean"], marker="o", label=f"{name}: mean over iterations and seeds")
         ax.plot(c["steps"], c["max"], ls=":", color=line.get_color(), label=f"{name}: max")
-    ax.axhline(next(iter(curves.values()))["budget"], color="k", ls="--", lw=1, label="budget lambda D = eps^2 D")
+    ax.axhline(budget, color="k", ls="--", lw=1, label="lambda-GRPO's budget lambda D = eps^2 D")
     ax.set_yscale("log")
     ax.set_xlabel("sampler step t (SDE on 0..8)")
     ax.set_ylabel("path variance V_t of an update")
@@ -67,29 +82,35 @@ def plot(curves: dict, path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=12)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--workdir", default="/tmp/lambda_budget")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = parser.parse_args()
     from flowrl_jax import train
 
-    curves = {}
-    for name, path in RUNS.items():
-        workdir = os.path.join(args.workdir, name)
-        shutil.rmtree(workdir, ignore_errors=True)
-        train.run(config_for(path, args), workdir)
-        curves[name] = per_step(workdir)
+    runs = {name: {} for name in RUNS}
+    for seed in (int(s) for s in args.seeds.split(",")):
+        for name, path in RUNS.items():
+            workdir = os.path.join(args.workdir, f"{name}_seed{seed}")
+            shutil.rmtree(workdir, ignore_errors=True)
+            args.seed = seed
+            train.run(config_for(path, args), workdir)
+            runs[name][seed] = per_step(workdir)
+    budget = next(iter(runs["lambda_grpo"].values()))["own_budget"]
+    curves = summarize(runs, budget)
     lines = ["| step | " + " | ".join(f"{n} V_t mean / max" for n in curves) + " |", "|---|" + "---|" * len(curves)]
     for i, t in enumerate(next(iter(curves.values()))["steps"]):
         lines.append(f"| {t} | " + " | ".join(f"{c['mean'][i]:.2e} / {c['max'][i]:.2e}" for c in curves.values()) + " |")
-    budget = next(iter(curves.values()))["budget"]
-    lines.append(f"\nbudget lambda D = {budget:.2e}; (iteration, step) cells over it: "
-                 + ", ".join(f"{n} {c['over_budget_cells']:.0%}" for n, c in curves.items()))
+    lines.append(f"\nlambda-GRPO's budget lambda D = {budget:.2e}; over {len(runs['lambda_grpo'])} seeds (mean, 95% CI): "
+                 "(iteration, step) cells over it " + ", ".join(f"{n} {c['over_budget_cells'][0]:.0%} +- {c['over_budget_cells'][1]:.0%}"
+                                                                 for n, c in curves.items())
+                 + "; last step's mean V_t / budget " + ", ".join(f"{n} {c['last_step_over_budget'][0]:.2f} +- {c['last_step_over_budget'][1]:.2f}"
+                                                                  for n, c in curves.items()))
     print("\n".join(lines))
     os.makedirs(args.out, exist_ok=True)
-    plot(curves, os.path.join(args.out, "lambda_budget.png"))
+    plot(curves, budget, os.path.join(args.out, "lambda_budget.png"))
     with open(os.path.join(args.out, "lambda_budget.json"), "w") as f:
-        json.dump({"args": vars(args), "curves": curves, "table": "\n".join(lines)}, f, indent=1)
+        json.dump({"args": vars(args), "budget": budget, "curves": curves, "runs": runs, "table": "\n".join(lines)}, f, indent=1)
 
 
 if __name__ == "__main__":

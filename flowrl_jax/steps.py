@@ -79,6 +79,7 @@ def make_rollout_fn(policy: Policy, world, config, row_sharding: jax.sharding.Na
     s, t = config.sampler, config.train
     sigmas = schedule.sigmas(s.num_steps, s.shift)
     levels = sampler_levels(s)
+    tail = windows.tail(s)
     chunk = t.get("rollout_chunk", 0)
     shards = parallel.batch_shards(row_sharding.mesh) if row_sharding is not None else 1
 
@@ -86,7 +87,7 @@ def make_rollout_fn(policy: Policy, world, config, row_sharding: jax.sharding.Na
         cond = world.encode(frozen, ids, mask)
         null = world.null_condition(frozen, ids.shape[0])
         velocity = rollout_lib.guided(policy.velocity_fn(policy.sampling_variables(trainable, frozen["dit"])), cond, null, s.cfg)
-        ro = rollout_lib.rollout(velocity, x_T, sigmas, levels, key, s.kind, policy.dit.patch_size, s.logprob_form)
+        ro = rollout_lib.rollout(velocity, x_T, sigmas, levels, key, s.kind, policy.dit.patch_size, s.logprob_form, **tail)
         return ro, cond, null
 
     def noise(ids, rng):  # -> (x_T [B, ...], the steps' key): the whole batch's initial noise either way
@@ -232,6 +233,7 @@ def make_image_change_fn(policy: Policy, world, config) -> Callable:
     s, t = config.sampler, config.train
     n = min(config.diagnostics.image_change_samples, t.prompts_per_iteration * t.group_size)
     sigmas = schedule.sigmas(s.num_steps, s.shift)
+    tail = windows.tail(s)
 
     def image_change(before, after, frozen, ids, mask, rng, levels):
         cond = world.encode(frozen, ids[:n], mask[:n])
@@ -245,7 +247,7 @@ def make_image_change_fn(policy: Policy, world, config) -> Callable:
 
         k_noise, k_steps = jax.random.split(rng)
         x_T = jax.random.normal(k_noise, world.latent_shape(n))
-        final = [rollout_lib.rollout(v, x_T, sigmas, levels, k_steps, s.kind, policy.dit.patch_size, s.logprob_form).final
+        final = [rollout_lib.rollout(v, x_T, sigmas, levels, k_steps, s.kind, policy.dit.patch_size, s.logprob_form, **tail).final
                  for v in (v_before, v_after, v_mixed)]
         rms = lambda a: jnp.sqrt(jnp.mean(jnp.square(a)))  # noqa: E731
         return {"total": rms(final[1] - final[0]), "trained_steps": rms(final[2] - final[0]), "untrained_steps": rms(final[1] - final[2])}
@@ -262,8 +264,9 @@ def initial_state(policy: Policy, optimizer, credit, objective, config, num_prom
 
 
 def update_old_policy(state: TrainState, decay: Callable) -> TrainState:
-    """The old policy after an iteration: `old <- d old + (1 - d) params`, `d = decay(step)` (objectives/__init__.py)."""
-    d = decay(state.step.astype(jnp.float32))
+    """The old policy after an iteration: `old <- d old + (1 - d) params`, `d = decay(updates)`, the optimizer steps
+    done, as DiffusionNFT's `return_decay(global_step)` counts them (objectives/__init__.py)."""
+    d = decay(state.updates.astype(jnp.float32))
     return state.replace(old=jax.tree_util.tree_map(lambda o, p: d * o + (1 - d) * p, state.old, state.params))
 
 

@@ -157,6 +157,16 @@ def test_nft_old_policy_decay_schedules_at_hand_computed_steps():
                                [0.0, 0.0, 0.0, 25 * 0.0075, 133 * 0.0075, 0.999, 0.999], rtol=1e-6)
 
 
+def test_old_policy_follows_by_the_decay_at_the_optimizer_steps_done_not_the_iterations():
+    """NVlabs' `return_decay(global_step)` counts gradient steps: after 3 iterations of 7 optimizer steps in all,
+    "linear" gives d = 0.007, so `old <- 0.007 old + 0.993 params` (by hand; 3 iterations would give 0.003)."""
+    from flowrl_jax.steps import TrainState, update_old_policy
+    state = TrainState(step=jnp.array(3), updates=jnp.array(7), params={"w": jnp.full((2,), 2.0)}, ema=None, opt_state=None,
+                       credit={}, old={"w": jnp.zeros((2,))})
+    new = update_old_policy(state, lambda n: nft.old_policy_decay(n, {"decay": "linear"}))
+    np.testing.assert_allclose(new.old["w"], 0.993 * 2.0, rtol=1e-6)  # float32: d and 1 - d to an ulp each
+
+
 def test_nft_sampler_times_give_each_sample_distinct_sampler_timesteps():
     """`times="sampler"`: per sample, its slots are distinct values of the sampler's sigma_0..sigma_{T-1}, the same
     whichever minibatch a pair lands in (drawn from the iteration's key), and the order differs across samples."""

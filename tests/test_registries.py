@@ -32,6 +32,15 @@ def test_every_config_file_builds_and_passes_validate(path):
     main.validate(config)  # its job's required fields, and the job's own checks (train: world, objective, credit)
 
 
+def test_the_mixgrpo_flash_variant_passes_validate_and_a_wrong_variant_is_named():
+    path = os.path.join(ROOT, "configs", "mixgrpo.py")
+    config = runpy.run_path(path)["get_config"]("flash")
+    assert (config.sampler.window.tail_solver, config.sampler.window.tail_ratio) == ("dpm2m", 0.4)
+    main.validate(config)
+    with pytest.raises(ValueError, match="configs/mixgrpo.py:flsh: the one variant is 'flash'"):
+        runpy.run_path(path)["get_config"]("flsh")
+
+
 # ----------------------------------------------------------------------------------------------- objectives
 B, G, T = 8, 4, 10
 BASE = gaussian_velocity(0.3, 0.6)

@@ -73,11 +73,12 @@ def test_objectives_reject_samplers_and_credit_they_cannot_use(smoke_base, tmp_p
 
 
 def test_a_sliding_window_and_grpo_guard_train_through_the_shared_loop(smoke_base, tmp_path, monkeypatch):
-    # MixGRPO's sliding window (moved 1 step every iteration) with GRPO-Guard's RatioNorm: each iteration trains, and logs,
-    # the steps of its own window, and the same-noise image change reads the moving window.
+    # MixGRPO-Flash's sliding window (moved 1 step every iteration, DPM-Solver++(2M) on a coarser tail) with GRPO-Guard's
+    # RatioNorm: each iteration trains, and logs, the steps of its own window, and the same-noise image change reads it.
     _brightness_reward(monkeypatch)
     out = _run(smoke_base, tmp_path, **{"train.iterations": 2, "sampler.sde_window": (0, 2), "sampler.window.schedule": "sliding",
                                         "sampler.window.shift_every": 1, "objective.grpo.ratio_norm": True,
+                                        "sampler.window.tail_solver": "dpm2m", "sampler.window.tail_ratio": 0.5,
                                         "diagnostics.image_change_every": 1})
     assert out["step"] == 2
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"reward"' in line]

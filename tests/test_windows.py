@@ -37,9 +37,11 @@ def test_random_window_is_uniform_over_upstreams_starts_and_the_same_on_every_ca
 
 @pytest.mark.parametrize("window, match", [({"schedule": "random", "range": (0, 2)}, r"sampler.window.range=\(0, 2\)"),
                                            ({"schedule": "sideways"}, "sampler.window.schedule"),
-                                           ({"shift_eveyr": 3}, "unknown option.*sampler.window.shift_eveyr")])
+                                           ({"shift_eveyr": 3}, "unknown option.*sampler.window.shift_eveyr"),
+                                           ({"tail_solver": "heun"}, "sampler.window.tail_solver='heun'"),
+                                           ({"tail_ratio": 0.0}, "tail_ratio=0.0")])
 def test_bad_window_options_name_the_key(window, match):
     s = _sampler(10, (0, 3))
     s.window = window
     with pytest.raises(ValueError, match=match):
-        windows.window_at(s, 0, 0)
+        windows.window_at(s, 0, 0) if "tail" not in str(window) else windows.tail(s)

@@ -16,7 +16,7 @@ randomness (forward-process noise, LeapAlign's steps), drawn from the seed and t
 - `advantage_flow`, `nft` (SPEC §6): (sample, time slot) pairs of the final samples noised afresh.
 - `leapalign` (SPEC §6): one pair per sample of an ODE rollout, through the differentiable reward.
 `old_policy`: when set, the TrainState keeps `theta_old`, which draws the rollouts and follows the
-policy after each iteration by `old <- d old + (1 - d) theta`, `d = old_policy(step, options)`: DiffusionNFT's
+policy after each iteration by `old <- d old + (1 - d) theta`, `d = old_policy(updates, options)` (optimizer steps done): DiffusionNFT's
 EMA schedules, or `d = 0` for AdvantageFlow (its anchor is the rollout policy's velocity).
 Objectives that offer per-step ratios drop samples with no advantage on a trained step (SPEC §2); the
 others keep all (an advantage-free sample still carries their regularizing term).

@@ -8,8 +8,9 @@ Rollouts come from the *old* policy `theta_old` with a deterministic sampler (on
 `x0+- = x_t - t v+-`, adaptive weights `w+- = sg(mean |x0+- - x0|)` (at least 1e-5),
 `L = adv_clip_max mean[(r ||x0+ - x0||^2 / w+ + (1 - r) ||x0- - x0||^2 / w-) / b] + beta_kl ||v_theta - v_ref||^2`,
 norms as means over elements. After each iteration `theta_old <- d theta_old + (1 - d) theta` with NVlabs'
-schedules (`old_policy_decay`): "linear" `d = min(0.001 step, 0.5)` (their decay_type 1, the SD3 default),
-"flat_then_rise" `d = 0` for 75 steps, then `min(0.0075 (step - 75), 0.999)` (decay_type 2, their OCR config).
+schedules (`old_policy_decay`) in optimizer steps done, as their `global_step` counts: "linear" `d = min(0.001 step,
+0.5)` (their decay_type 1, the SD3 default), "flat_then_rise" `d = 0` for 75 steps, then `min(0.0075 (step - 75),
+0.999)` (decay_type 2, their OCR config). `configs/nft.py` takes one optimizer step per iteration, as their SD3 configs.
 
 Defaults follow NVlabs' `scripts/train_nft_sd3.py` + `config/nft.py` (WORKSPACE_NOTES.md has the table):
 9 of the sampler's 10 timesteps per sample (`times="sampler"`), the loss scaled by `adv_clip_max = 5`,
@@ -47,7 +48,7 @@ def optimality(adv, adv_clip_max: float = 5.0):
 
 
 def old_policy_decay(step, options=None):
-    """d after iteration `step` for the old-policy EMA, by `options.decay` (module doc; default "linear")."""
+    """d after `step` optimizer steps for the old-policy EMA, by `options.decay` (module doc; default "linear")."""
     flat, rate, cap = DECAYS[options["decay"] if options is not None else "linear"]
     return jnp.where(step < flat, 0.0, jnp.minimum((step - flat) * rate, cap))
 

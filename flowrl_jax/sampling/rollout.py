@@ -87,23 +87,80 @@ def initial_noise(rng, shape, group_size: int = 1, same_per_group: bool = False)
     return jnp.repeat(groups, group_size, axis=0)
 
 
+TAIL_SOLVERS = ("euler", "dpm2m")
+
+
+def tail_schedule(sigmas, levels, ratio: float = 1.0):
+    """The steps after the SDE window on a coarser grid (MixGRPO-Flash): with `e` one past the last SDE step (0 when
+    there is none) and `n = max(1, floor((T - e) ratio))`, tail step `e + j` (j < n) goes between the base grid
+    interpolated at `e + j (T - e) / n` and `e + (j + 1) (T - e) / n` (the same schedule at n points); steps past
+    `e + n` are skipped. -> (sigma_from [T], sigma_to [T], active [T] bool, tail [T] bool); traced, so a window that
+    moves per iteration needs no new compile."""
+    num_steps = levels.shape[0]
+    idx = jnp.arange(num_steps)
+    e = jnp.max(jnp.where(levels > 0, idx + 1, 0))
+    tail_len = (num_steps - e).astype(jnp.float32)
+    n = jnp.maximum(1.0, jnp.floor(tail_len * ratio + 1e-5))  # upstream's int((T - e) ratio); 1e-5 absorbs float32 products
+    j = (idx - e).astype(jnp.float32)
+    at = lambda k: jnp.interp(e + k * tail_len / n, jnp.arange(num_steps + 1, dtype=jnp.float32), sigmas)  # noqa: E731
+    tail = idx >= e
+    return (jnp.where(tail, at(j), sigmas[:-1]), jnp.where(tail, at(j + 1), sigmas[1:]), ~tail | (j < n), tail)
+
+
+def dpm_solver_2m(x, x0, x0_prev, sigma, sigma_next, h_prev):
+    """DPM-Solver++(2M) (Lu et al. 2022, data prediction) for `x_sigma = (1 - sigma) x0 + sigma eps`: alpha = 1 - sigma,
+    lambda = log(alpha / sigma), h = lambda_next - lambda. First order `x' = (sigma'/sigma) x + alpha' (1 - e^-h) x0`
+    (= Euler for this path); second order replaces x0 by `(1 + 1/2r) x0 - (1/2r) x0_prev`, r = h_prev / h, where both
+    h are finite (a step from sigma = 1 or to sigma = 0 has h = inf and stays first order). -> (x', h)."""
+    alpha, alpha_next = 1.0 - sigma, 1.0 - sigma_next
+    inner = (sigma < 1) & (sigma_next > 0)
+    h = jnp.where(inner, jnp.log(jnp.where(inner, alpha_next / sigma_next * sigma / alpha, 1.0)), jnp.inf)
+    second = inner & jnp.isfinite(h_prev)
+    half_inv_r = jnp.where(second, h / (2.0 * jnp.where(second, h_prev, 1.0)), 0.0)
+    d = (1.0 + half_inv_r) * x0 - half_inv_r * x0_prev
+    return (sigma_next / sigma) * x + (alpha_next - alpha * sigma_next / sigma) * d, h
+
+
 def rollout(velocity: Callable, x_T, sigmas, levels, rng, kind: str = "sde", patch_size: int = 1,
-            logprob_form: str = "gaussian") -> Rollout:
+            logprob_form: str = "gaussian", tail_solver: str = "euler", tail_ratio: float = 1.0) -> Rollout:
     """Run `T = len(levels)` steps from x_T [B, H, W, C] at `sigmas[0]`; step t uses `kind` with noise
-    level `levels[t]` (0 = ODE). Returns the `Rollout` (module doc)."""
+    level `levels[t]` (0 = ODE). The steps after the SDE window use `tail_solver` ("euler", or "dpm2m":
+    DPM-Solver++(2M) fed by the previous step's x0, MixGRPO's ODE sampler) on `tail_ratio` of their grid
+    (`tail_schedule`; a skipped step leaves the state as it is and calls no velocity). Returns the `Rollout` (module doc)."""
+    if tail_solver not in TAIL_SOLVERS or not 0 < tail_ratio <= 1:
+        raise ValueError(f"tail_solver={tail_solver!r}, tail_ratio={tail_ratio}: choose a solver in {TAIL_SOLVERS} and 0 < ratio <= 1")
     num_steps = levels.shape[0]
     sigma_1 = sigmas[1]
     keys = jax.random.split(rng, num_steps)
+    plain = tail_solver == "euler" and tail_ratio == 1.0
+    sigma_from, sigma_to, active, tail = ((sigmas[:-1], sigmas[1:], jnp.ones(num_steps, bool), jnp.zeros(num_steps, bool))
+                                          if plain else tail_schedule(sigmas, levels, tail_ratio))
 
-    def step(x, inputs):
-        sigma, sigma_next, a, key = inputs
+    def move(x, x0_prev, h_prev, sigma, sigma_next, a, key, on_tail):
         mean, std, v = kernels.transition(kind, velocity, x, sigma, sigma_next, a, sigma_1)
+        x0_hat = x - kernels.column(jnp.broadcast_to(sigma, std.shape), x) * v
+        h = h_prev
+        if tail_solver == "dpm2m":
+            dpm, h = dpm_solver_2m(x, x0_hat, x0_prev, sigma, sigma_next, h_prev)
+            mean = jnp.where(on_tail, dpm, mean)  # the tail is ODE: std 0 there
         x_next = mean + kernels.column(std, x) * jax.random.normal(key, x.shape, x.dtype)
         logp = kernels.token_logprob(x_next, mean, std, patch_size, logprob_form)
-        x0_hat = x - kernels.column(jnp.broadcast_to(sigma, std.shape), x) * v
-        return x_next, (x, x_next, mean, std, logp, x0_hat)
+        return x_next, x0_hat, h, (x, x_next, mean, std.astype(x.dtype), logp.astype(x.dtype), x0_hat)
 
-    _, outs = jax.lax.scan(step, x_T, (sigmas[:-1], sigmas[1:], levels, keys))
+    def skip(x, x0_prev, h_prev, *_):  # past the tail's coarser grid: the state stays, nothing is sampled
+        b = x.shape[0]
+        return x, x0_prev, h_prev, (x, x, x, jnp.zeros((b,), x.dtype), jnp.zeros((b, (x.shape[1] // patch_size) * (x.shape[2] // patch_size)), x.dtype), x0_prev)
+
+    def step(carry, inputs):
+        x, x0_prev, h_prev = carry
+        if plain:
+            x_next, x0, h, out = move(x, x0_prev, h_prev, *inputs[:4], False)
+        else:
+            x_next, x0, h, out = jax.lax.cond(inputs[-1], move, skip, x, x0_prev, h_prev, *inputs[:-1])
+        return (x_next, x0, h), out
+
+    carry = (x_T, jnp.zeros_like(x_T), jnp.asarray(jnp.inf, sigmas.dtype))
+    _, outs = jax.lax.scan(step, carry, (sigma_from, sigma_to, levels, keys, tail, active))
     states, next_states, means, stds, logp, x0_hat = (jnp.swapaxes(o, 0, 1) for o in outs)
     b = x_T.shape[0]
     chex.assert_shape([states, next_states, means, x0_hat], (b, num_steps) + tuple(x_T.shape[1:]))

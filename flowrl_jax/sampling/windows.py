@@ -9,20 +9,32 @@
 - `sliding` (MixGRPO's `--sample_strategy progressive`): `start = start_0 + (it // shift_every) * stride`, wrapped back
   to 0 past the last start that fits (`wrap`, MixGRPO's `--roll_back`) or held there.
 Only the window's steps are trained (`objectives.grpo.slots`); the size never changes, so one compile serves every window.
+After the window, `tail_solver` ("euler", or "dpm2m": DPM-Solver++(2M), MixGRPO's ODE sampler) runs on `tail_ratio` of
+the remaining steps (MixGRPO-Flash: 0.4; `rollout.tail_schedule`); 1.0 keeps every step.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from flowrl_jax.options import resolve
+from flowrl_jax.sampling.rollout import TAIL_SOLVERS
 
 SCHEDULES = ("fixed", "random", "sliding")
-DEFAULTS = {"schedule": "fixed", "range": (), "shift_every": 25, "stride": 1, "wrap": True}
+DEFAULTS = {"schedule": "fixed", "range": (), "shift_every": 25, "stride": 1, "wrap": True, "tail_solver": "euler", "tail_ratio": 1.0}
 
 
 def base_window(sampler) -> tuple[int, int]:
     """`sampler.sde_window` as (start, size); `()` = every step."""
     return tuple(sampler.sde_window) if sampler.sde_window else (0, sampler.num_steps)
+
+
+def tail(sampler) -> dict:
+    """The rollout's keyword arguments for the steps after the window: `tail_solver`, `tail_ratio` (module doc)."""
+    o = resolve(DEFAULTS, sampler.get("window"), owner="sampler.window")
+    if o.tail_solver not in TAIL_SOLVERS or not 0 < o.tail_ratio <= 1:
+        raise ValueError(f"sampler.window.tail_solver={o.tail_solver!r}, tail_ratio={o.tail_ratio}: choose a solver in "
+                         f"{', '.join(TAIL_SOLVERS)} and a ratio in (0, 1]")
+    return {"tail_solver": o.tail_solver, "tail_ratio": float(o.tail_ratio)}
 
 
 def window_at(sampler, it: int, seed: int) -> tuple[int, int]:
