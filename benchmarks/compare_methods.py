@@ -22,6 +22,7 @@ against training wall-clock per entry (mean over seeds, band = min..max).
 from __future__ import annotations
 
 import argparse
+import ast
 import glob
 import json
 import os
@@ -44,6 +45,10 @@ for _name in ("flow_grpo", "flow_grpo_fast", "grpo_guard", "mixgrpo"):  # issue 
     ENTRIES[_name + "_null"] = (METHODS[_name], {"advantage.null_control": True})
 ENTRIES["flow_grpo_upstream"] = ("configs/flow_grpo.py", {})  # upstream's recipe (192 images, steps 0-8) at this budget
 ENTRIES["flow_grpo_upstream_null"] = ("configs/flow_grpo.py", {"advantage.null_control": True})
+# Issue 33 item 8 (benchmarks/gpu_policy_gradient.sh): upstream's 48 prompts x 24 per iteration, and Fast at 48 prompts.
+for _name, (_path, _overrides) in {"flow_grpo_upstream48": ("configs/flow_grpo.py", {}), "flow_grpo_fast48": (METHODS["flow_grpo_fast"], {})}.items():
+    ENTRIES[_name] = (_path, {**_overrides, "train.prompts_per_iteration": 48})
+    ENTRIES[_name + "_null"] = (_path, {**_overrides, "train.prompts_per_iteration": 48, "advantage.null_control": True})
 # The levers of issue 16 on Flow-GRPO (WORKSPACE_NOTES.md "Making the policy gradient learn"): name -> overrides.
 LEVERS = {
     "grpo_cfg1": {"sampler.cfg": 1.0},
@@ -62,7 +67,7 @@ for _name, _overrides in LEVERS.items():
 def entry_config(name: str, seed: int, args, eval_at_start: bool = False):
     path, overrides = ENTRIES[name]
     config = runpy.run_path(os.path.join(ROOT, path))["get_config"]("")
-    config.update_from_flattened_dict(overrides)
+    config.update_from_flattened_dict({**overrides, **getattr(args, "overrides", {})})
     config.train.update(iterations=10_000, time_budget_s=float(args.budget_s))
     config.eval.update(every=args.eval_every, at_start=eval_at_start, per_category=args.per_category,
                        samples_per_prompt=args.samples_per_prompt)
@@ -72,8 +77,10 @@ def entry_config(name: str, seed: int, args, eval_at_start: bool = False):
 
 
 def eval_settings(args) -> dict:
-    """What makes two evals comparable: the same prompts, samples and noise."""
-    return {"per_category": args.per_category, "samples_per_prompt": args.samples_per_prompt}
+    """What makes two evals comparable: the same prompts, samples and noise (and `--set` overrides, when any, so that a
+    trial at toy shapes never merges with real runs)."""
+    settings = {"per_category": args.per_category, "samples_per_prompt": args.samples_per_prompt}
+    return {**settings, "overrides": args.overrides} if getattr(args, "overrides", None) else settings
 
 
 def base_eval(args) -> dict:
@@ -209,7 +216,10 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "compare"))
     parser.add_argument("--rerun", action="store_true", help="run again the (entry, seed) pairs that already have a JSON")
     parser.add_argument("--report", action="store_true", help="only aggregate the runs already under --out")
+    parser.add_argument("--set", action="append", default=[], help="a config override key=value (Python literal) for every "
+                        "entry, repeatable (e.g. toy shapes to try a script); recorded in the runs' settings")
     args = parser.parse_args()
+    args.overrides = {k: ast.literal_eval(v) for k, v in (s.split("=", 1) for s in args.set)}
     unknown = [n for n in args.methods.split(",") if n and n not in ENTRIES]
     if unknown:
         raise SystemExit(f"unknown entries {unknown}; known: {sorted(ENTRIES)}")

@@ -1,6 +1,6 @@
 """Signal-to-noise of Flow-GRPO's policy gradient against batch size, at the base model (issue 16).
 
-    python benchmarks/gradient_snr.py [--config configs/flow_grpo_cpu.py] [--groups 64] [--null] [--set sampler.cfg=1.0]
+    python benchmarks/gradient_snr.py [--config configs/flow_grpo_cpu.py[:variant]] [--groups 64] [--null] [--set sampler.cfg=1.0]
 
 A group is one train prompt x G images (the config's group size, sampler, SDE window), drawn as the train loop
 draws them. For K groups, each group's on-policy gradient `g_k` of the objective (ratio 1, so the policy term is
@@ -127,7 +127,8 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="a config override key=value (Python literal), repeatable")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "gradient_snr.json"))
     args = parser.parse_args()
-    config = runpy.run_path(os.path.join(ROOT, args.config))["get_config"]("")
+    path, _, variant = args.config.partition(":")  # `configs/mixgrpo.py:flash`, as main's --config
+    config = runpy.run_path(os.path.join(ROOT, path))["get_config"](variant)
     overrides = {k: ast.literal_eval(v) for k, v in (s.split("=", 1) for s in args.set)}
     config.update_from_flattened_dict(overrides)
     t0 = time.time()
