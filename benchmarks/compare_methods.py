@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ast
 import glob
+import hashlib
 import json
 import os
 import platform
@@ -80,7 +81,8 @@ def eval_settings(args) -> dict:
     """What makes two evals comparable: the same prompts, samples and noise (and `--set` overrides, when any, so that a
     trial at toy shapes never merges with real runs)."""
     settings = {"per_category": args.per_category, "samples_per_prompt": args.samples_per_prompt}
-    return {**settings, "overrides": args.overrides} if getattr(args, "overrides", None) else settings
+    settings = {**settings, "overrides": args.overrides} if getattr(args, "overrides", None) else settings
+    return json.loads(json.dumps(settings))  # as a run's JSON reads it back (tuples as lists), so the two compare equal
 
 
 def base_eval(args) -> dict:
@@ -220,6 +222,9 @@ def main() -> None:
                         "entry, repeatable (e.g. toy shapes to try a script); recorded in the runs' settings")
     args = parser.parse_args()
     args.overrides = {k: ast.literal_eval(v) for k, v in (s.split("=", 1) for s in args.set)}
+    owned = [k for k in args.overrides if k in ("seed", "train.iterations", "train.time_budget_s") or k.startswith("eval.")]
+    if owned:
+        raise SystemExit(f"--set {', '.join(owned)}: set by this script (--seeds, --budget_s, --per_category, ...), not by --set")
     unknown = [n for n in args.methods.split(",") if n and n not in ENTRIES]
     if unknown:
         raise SystemExit(f"unknown entries {unknown}; known: {sorted(ENTRIES)}")
@@ -228,7 +233,8 @@ def main() -> None:
     if not args.report:
         for name in filter(None, args.methods.split(",")):
             for seed in map(int, args.seeds.split(",")):
-                path = os.path.join(args.out, "runs", name, f"seed_{seed}.json")
+                trial = f"_{hashlib.sha1(json.dumps(args.overrides, sort_keys=True).encode()).hexdigest()[:8]}" if args.overrides else ""
+                path = os.path.join(args.out, "runs", name, f"seed_{seed}{trial}.json")  # a --set trial never takes a real run's file
                 if os.path.exists(path) and not args.rerun:
                     print(f"{name} seed {seed}: kept {path}")
                     continue

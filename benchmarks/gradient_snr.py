@@ -55,6 +55,8 @@ def group_gradients(config, num_groups: int, null: bool, seed: int) -> tuple[np.
     steps = Steps(config, mesh, world, dit, base, credit)
     reward_fn = world.reward_fn(t.rewards)
     per_rollout = t.prompts_per_iteration
+    if num_groups <= per_rollout:
+        raise SystemExit(f"--groups {num_groups}: need more than {per_rollout} (two rollouts), so the warm timings leave out the compile")
     rollouts, rewards, rollout_s, gradient_s = [], [], [], []
     for r in range((num_groups + per_rollout - 1) // per_rollout):
         drawn = world.sample_prompts(per_rollout, np.random.default_rng([seed, r]))
@@ -95,7 +97,7 @@ def group_gradients(config, num_groups: int, null: bool, seed: int) -> tuple[np.
         grads.append(np.asarray(grad(steps.state.params, steps.frozen, data, rows.ravel().astype(np.int32),
                                      slots.ravel().astype(np.int32), np.ones(rows.size, np.float32))))
         gradient_s.append(time.perf_counter() - start)
-    warm = {"rollout_s": float(np.median(rollout_s[1:] or rollout_s)), "gradient_s": float(np.median(gradient_s[1:]))}
+    warm = {"rollout_s": float(np.median(rollout_s[1:])), "gradient_s": float(np.median(gradient_s[1:]))}
     return np.stack(grads), reward, warm
 
 

@@ -54,7 +54,8 @@ def summarize(runs: dict, budget: float) -> dict:
     mean V over the budget, each with its 95% interval."""
     out = {}
     for name, seeds in runs.items():
-        v = np.stack([np.asarray(r["v"]) for r in seeds.values()])  # [seeds, iterations, steps]
+        rows = min(len(r["v"]) for r in seeds.values())  # a run that stopped early: compare the iterations all have
+        v = np.stack([np.asarray(r["v"])[:rows] for r in seeds.values()])  # [seeds, iterations, steps]
         out[name] = {"steps": next(iter(seeds.values()))["steps"], "mean": v.mean((0, 1)).tolist(), "max": v.max((0, 1)).tolist(),
                      "over_budget_cells": interval((v > budget).mean((1, 2))), "last_step_over_budget": interval(v[:, :, -1].mean(1) / budget)}
     return out
@@ -108,9 +109,9 @@ def main() -> None:
                                                                   for n, c in curves.items()))
     print("\n".join(lines))
     os.makedirs(args.out, exist_ok=True)
-    plot(curves, budget, os.path.join(args.out, "lambda_budget.png"))
-    with open(os.path.join(args.out, "lambda_budget.json"), "w") as f:
+    with open(os.path.join(args.out, "lambda_budget.json"), "w") as f:  # before the plot: a plotting error keeps the numbers
         json.dump({"args": vars(args), "budget": budget, "curves": curves, "runs": runs, "table": "\n".join(lines)}, f, indent=1)
+    plot(curves, budget, os.path.join(args.out, "lambda_budget.png"))
 
 
 if __name__ == "__main__":

@@ -106,7 +106,10 @@ def validate(config):
         credit = credit_lib.build(config.credit.names, config.credit, config.advantage.global_std, config.advantage.clip)
         rewards.check(config.train.rewards, config.world.get("reward_models"))  # the device rewards' folders, before compiling
         remote.settings(config.train.get("remote_rewards"))
-        sampler_levels(s, windows.window_at(s, 0, config.seed)), windows.tail(s)  # the window's schedule, its tail, their options
+        sampler_levels(s, windows.window_at(s, 0, config.seed))  # the window's schedule and its options
+        if windows.tail(s) != windows.tail({}) and (config.objective.name == "leapalign" or "turning_point" in config.credit.names):
+            raise ValueError("sampler.window.tail_solver / tail_ratio: LeapAlign and TurningPoint credit read every step's state "
+                             "on the base grid (Rollout.sigmas) and its Euler completions; keep the default tail (euler, 1.0)")
         world = worlds.build(config)
         for prompts in (world.train_prompts, getattr(world, "test_prompts", None) or []):  # the latent world's eval scores
             rewards.check_prompts(config.train.rewards, prompts)  # test prompts with train.rewards; e.g. OCR's quoted text

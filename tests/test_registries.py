@@ -41,6 +41,14 @@ def test_the_mixgrpo_flash_variant_passes_validate_and_a_wrong_variant_is_named(
         runpy.run_path(path)["get_config"]("flsh")
 
 
+@pytest.mark.parametrize("name", ["leapalign.py", "tp_grpo.py"])
+def test_a_coarser_tail_is_refused_where_every_steps_state_is_read(name):
+    config = runpy.run_path(os.path.join(ROOT, "configs", name))["get_config"]("")
+    config.sampler.window.tail_ratio = 0.4
+    with pytest.raises(config_lib.ConfigError, match="LeapAlign and TurningPoint credit read every step's state"):
+        main.validate(config)
+
+
 # ----------------------------------------------------------------------------------------------- objectives
 B, G, T = 8, 4, 10
 BASE = gaussian_velocity(0.3, 0.6)

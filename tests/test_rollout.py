@@ -80,27 +80,32 @@ def test_sharded_rollout_on_eight_devices_equals_one_device(tiny_model, tiny_par
 
 # ------------------------------------------------------------------ the tail after the window (MixGRPO's ODE sampler)
 def test_tail_schedule_regrids_the_steps_after_the_window_by_hand():
-    """T = 10, shift 1: sigma_i = 1 - 0.111 i (i < 10), sigma_10 = 0. Window (2, 2): e = 4, six tail steps."""
+    """T = 10, shift 1: sigma_i = 1 - 0.111 i (i < 10), sigma_10 = 0. Window (2, 2): e = 4, six tail steps, upstream's
+    int((10 - 4 + 1) ratio) grid points, one step fewer."""
     sigmas = schedule.sigmas(10, 1.0)
     base = np.append(1 - 0.111 * np.arange(10), 0.0)
     levels = rollout.noise_levels(10, 0.7, (2, 2))
-    # ratio 0.7: n = floor(4.2) = 4 points at 4 + 1.5 k -> sigma_4, (sigma_5 + sigma_6) / 2, sigma_7, (sigma_8 + sigma_9) / 2, 0
-    frm, to, active, tail = rollout.tail_schedule(sigmas, levels, 0.7)
+    # ratio 0.8: int(5.6) = 5 points, 4 steps at 4 + 1.5 k -> sigma_4, (sigma_5 + sigma_6) / 2, sigma_7, (sigma_8 + sigma_9) / 2, 0
+    frm, to, active, tail = rollout.tail_schedule(sigmas, levels, 0.8)
     grid = [base[4], (base[5] + base[6]) / 2, base[7], (base[8] + base[9]) / 2, 0.0]
     # float32 linspace and one interpolation: a few ulp of values <= 1 (2^-24 ~ 6e-8 each)
     np.testing.assert_allclose(frm[:8], np.concatenate([base[:4], grid[:4]]), atol=5e-7)
     np.testing.assert_allclose(to[:8], np.concatenate([base[1:5], grid[1:]]), atol=5e-7)
     np.testing.assert_array_equal(active, [True] * 8 + [False] * 2)
     np.testing.assert_array_equal(tail, [False] * 4 + [True] * 6)
-    # ratio 0.4: n = floor(2.4) = 2 -> sigma_4 -> sigma_7 -> 0, then four skipped steps
+    # ratio 0.4: int(2.8) = 2 points -> one step sigma_4 -> 0, then five skipped steps
     frm, to, active, _ = rollout.tail_schedule(sigmas, levels, 0.4)
-    np.testing.assert_allclose([frm[4], to[4], frm[5], to[5]], [base[4], base[7], base[7], 0.0], atol=5e-7)
-    np.testing.assert_array_equal(active, [True] * 6 + [False] * 4)
-    # no SDE step (an ODE rollout): the whole trajectory is the tail; ratio 0.5 keeps sigma_0, sigma_2, ..., sigma_10
-    frm, to, active, tail = rollout.tail_schedule(sigmas, jnp.zeros(10), 0.5)
+    np.testing.assert_allclose([frm[4], to[4]], [base[4], 0.0], atol=5e-7)
+    np.testing.assert_array_equal(active, [True] * 5 + [False] * 5)
+    # no SDE step (an ODE rollout): the whole trajectory is the tail; ratio 0.55: int(6.05) = 6 points, sigma_0, sigma_2, ...
+    frm, to, active, tail = rollout.tail_schedule(sigmas, jnp.zeros(10), 0.55)
     np.testing.assert_allclose(frm[:5], base[0:10:2], atol=5e-7)
     np.testing.assert_array_equal(active, [True] * 5 + [False] * 5)
     assert bool(np.all(tail))
+    # ratio 1: every step on the base grid
+    frm, to, active, _ = rollout.tail_schedule(sigmas, levels, 1.0)
+    np.testing.assert_allclose(frm, base[:-1], atol=5e-7)
+    assert bool(np.all(active))
 
 
 def test_dpm_solver_2m_converges_at_second_order_to_the_gaussian_closed_form():
@@ -132,22 +137,23 @@ def test_a_coarser_tail_keeps_the_window_and_skipped_steps_leave_the_state():
     sigmas = schedule.sigmas(10, 1.0)
     levels = rollout.noise_levels(10, 0.7, (2, 2))
     plain = rollout.rollout(velocity, x_T, sigmas, levels, jax.random.PRNGKey(1), "sde", 2)
-    flash = rollout.rollout(velocity, x_T, sigmas, levels, jax.random.PRNGKey(1), "sde", 2, tail_solver="dpm2m", tail_ratio=0.4)
+    # ratio 0.6: int(4.2) = 4 points, 3 steps: sigma_4 -> sigma_6 -> sigma_8 -> 0, steps 7-9 skipped
+    flash = rollout.rollout(velocity, x_T, sigmas, levels, jax.random.PRNGKey(1), "sde", 2, tail_solver="dpm2m", tail_ratio=0.6)
     # Steps 0..3 (the prefix and the window) are the same draws by the same kernel; the cond around them may fuse
     # differently: a few FMA roundings per step on |x| <= 3, as in the first test (1e-6).
     np.testing.assert_allclose(flash.next_states[:, :4], plain.next_states[:, :4], rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(flash.logp[:, 4:], 0.0)
-    for t in range(6, 10):  # skipped: the state stays
+    for t in range(7, 10):  # skipped: the state stays
         np.testing.assert_array_equal(flash.next_states[:, t], flash.states[:, t])
-    np.testing.assert_array_equal(flash.final, flash.next_states[:, 5])
-    # step 4: sigma_4 -> sigma_7 by DPM-Solver++(2M) from the window's last x0, in float64 by hand from the recorded states
-    s4, s7, s3 = (float(sigmas[i]) for i in (4, 7, 3))
+    np.testing.assert_array_equal(flash.final, flash.next_states[:, 6])
+    # step 4: sigma_4 -> sigma_6 by DPM-Solver++(2M) from the window's last x0, in float64 by hand from the recorded states
+    s4, s6, s3 = (float(sigmas[i]) for i in (4, 6, 3))
     lam = lambda s: np.log((1 - s) / s)  # noqa: E731
-    h, h_prev = lam(s7) - lam(s4), lam(s4) - lam(s3)
+    h, h_prev = lam(s6) - lam(s4), lam(s4) - lam(s3)
     x, x0, x0_prev = (np.asarray(a, np.float64) for a in (flash.states[:, 4], flash.x0_hat[:, 4], flash.x0_hat[:, 3]))
     d = (1 + h / (2 * h_prev)) * x0 - h / (2 * h_prev) * x0_prev
     # ~10 float32 roundings of terms <= ~3 (6e-8 x 3 each) and h's logs: 1e-5
-    np.testing.assert_allclose(flash.next_states[:, 4], s7 / s4 * x + (1 - s7 - (1 - s4) * s7 / s4) * d, atol=1e-5)
-    np.testing.assert_allclose(flash.final, flash.x0_hat[:, 5], atol=1e-6)  # the last step, to sigma = 0, is x0 (first order)
+    np.testing.assert_allclose(flash.next_states[:, 4], s6 / s4 * x + (1 - s6 - (1 - s4) * s6 / s4) * d, atol=1e-5)
+    np.testing.assert_allclose(flash.final, flash.x0_hat[:, 6], atol=1e-6)  # the last step, to sigma = 0, is x0 (first order)
     with pytest.raises(ValueError, match="tail_solver"):
         rollout.rollout(velocity, x_T, sigmas, levels, jax.random.PRNGKey(1), tail_solver="heun")

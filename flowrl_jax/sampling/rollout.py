@@ -91,16 +91,18 @@ TAIL_SOLVERS = ("euler", "dpm2m")
 
 
 def tail_schedule(sigmas, levels, ratio: float = 1.0):
-    """The steps after the SDE window on a coarser grid (MixGRPO-Flash): with `e` one past the last SDE step (0 when
-    there is none) and `n = max(1, floor((T - e) ratio))`, tail step `e + j` (j < n) goes between the base grid
-    interpolated at `e + j (T - e) / n` and `e + (j + 1) (T - e) / n` (the same schedule at n points); steps past
-    `e + n` are skipped. -> (sigma_from [T], sigma_to [T], active [T] bool, tail [T] bool); traced, so a window that
-    moves per iteration needs no new compile."""
+    """The steps after the SDE window on a coarser grid (MixGRPO-Flash's `dpm_apply_strategy="post"`): with `e` one past
+    the last SDE step (0 when there is none), upstream's `int((T - e + 1) ratio)` grid points from sigma_e to 0, so
+    `n = max(1, int((T - e + 1) ratio) - 1)` steps; tail step `e + j` (j < n) goes between the base grid interpolated at
+    `e + j (T - e) / n` and `e + (j + 1) (T - e) / n` (upstream re-shifts an even grid in unshifted time: the same at
+    shift 1); steps past `e + n` are skipped. `ratio = 1` keeps every step. -> (sigma_from [T], sigma_to [T], active [T]
+    bool, tail [T] bool); traced, so a window that moves per iteration needs no new compile."""
     num_steps = levels.shape[0]
     idx = jnp.arange(num_steps)
     e = jnp.max(jnp.where(levels > 0, idx + 1, 0))
     tail_len = (num_steps - e).astype(jnp.float32)
-    n = jnp.maximum(1.0, jnp.floor(tail_len * ratio + 1e-5))  # upstream's int((T - e) ratio); 1e-5 absorbs float32 products
+    points = jnp.floor((tail_len + 1.0) * ratio + 1e-5)  # upstream's int(...); 1e-5 absorbs float32 products like 5 x 0.4
+    n = jnp.where(ratio >= 1.0, tail_len, jnp.maximum(1.0, points - 1.0))
     j = (idx - e).astype(jnp.float32)
     at = lambda k: jnp.interp(e + k * tail_len / n, jnp.arange(num_steps + 1, dtype=jnp.float32), sigmas)  # noqa: E731
     tail = idx >= e
