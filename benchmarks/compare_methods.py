@@ -22,7 +22,6 @@ against training wall-clock per entry (mean over seeds, band = min..max).
 from __future__ import annotations
 
 import argparse
-import ast
 import glob
 import hashlib
 import json
@@ -221,7 +220,9 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="a config override key=value (Python literal) for every "
                         "entry, repeatable (e.g. toy shapes to try a script); recorded in the runs' settings")
     args = parser.parse_args()
-    args.overrides = {k: ast.literal_eval(v) for k, v in (s.split("=", 1) for s in args.set)}
+    from flowrl_jax import config_lib
+
+    args.overrides = config_lib.parse_overrides(args.set)
     owned = [k for k in args.overrides if k in ("seed", "train.iterations", "train.time_budget_s") or k.startswith("eval.")]
     if owned:
         raise SystemExit(f"--set {', '.join(owned)}: set by this script (--seeds, --budget_s, --per_category, ...), not by --set")

@@ -23,11 +23,9 @@ within its interval, which checks the estimator. Prints a line and appends it to
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import platform
-import runpy
 import time
 
 import jax
@@ -35,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from flowrl_jax import credit as credit_lib, parallel, worlds
+from flowrl_jax import config_lib, credit as credit_lib, parallel, worlds
 from flowrl_jax.credit import group
 from flowrl_jax.policy import policy_fns
 from flowrl_jax.steps import Steps, sampler_levels
@@ -130,9 +128,8 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "gradient_snr.json"))
     args = parser.parse_args()
     path, _, variant = args.config.partition(":")  # `configs/mixgrpo.py:flash`, as main's --config
-    config = runpy.run_path(os.path.join(ROOT, path))["get_config"](variant)
-    overrides = {k: ast.literal_eval(v) for k, v in (s.split("=", 1) for s in args.set)}
-    config.update_from_flattened_dict(overrides)
+    overrides = config_lib.parse_overrides(args.set)
+    config = config_lib.load_config(os.path.join(ROOT, path), variant, **overrides)
     t0 = time.time()
     g, reward, warm = group_gradients(config, args.groups, args.null, args.seed)
     stats = signal_and_noise(g)

@@ -2,15 +2,16 @@
 
     python -m flowrl_jax.main --config configs/mixgrpo.py --workdir workdirs/mixgrpo
 
-A sliding SDE window: SDE on the window's steps, the ODE (Euler, as MixGRPO) on every other step, only the window trained (`sampler.window.schedule="sliding"`,
-`sampling/windows.py`). Upstream: a window of 4 of 25 steps from step 0, moved by 1 step every 25 iterations, back to 0
+A sliding SDE window: SDE on the window's steps, the ODE (Euler, as MixGRPO) on every other step, only the window
+trained (`sampler.window.schedule="sliding"`, `sampling/windows.py`). Upstream: a window of 4 of 25 steps from step 0, moved by 1 step every 25 iterations, back to 0
 past the end (`--roll_back`), 300 iterations (so it covers steps 0-14, the first half). Scaled to the embedded budget's
 10 steps and 36 iterations: a window of 2 steps from 0, moved by 1 every 8 iterations (steps 0-5 over the run).
 Upstream's other settings kept: noise level 0.7, the group's images share their initial noise, clip 1e-4, no KL (beta 0).
 Upstream's lr is 1e-5 on the whole FLUX model; here LoRA rank 32 at 3e-4 like every embedded config.
 
-`--config configs/mixgrpo.py:flash` is MixGRPO-Flash: after the window, DPM-Solver++(2M) on 0.4 of the remaining steps
-(upstream's `int((25 - end) * 0.4)` points, the history's x0 feeding the solver), so fewer velocity calls per rollout.
+`--config configs/mixgrpo.py:flash` is MixGRPO-Flash: after the window, DPM-Solver++(2M) on a coarser grid (upstream's
+`int((T - last SDE step) * 0.4)` points, `rollout.tail_schedule`; the history's x0 feeding the solver), so fewer velocity
+calls per rollout.
 """
 from flowrl_jax import config_lib
 

@@ -5,6 +5,7 @@ of a key that does not exist fails at parse time; `main.py` turns that into a on
 """
 from __future__ import annotations
 
+import ast
 import runpy
 
 from ml_collections import ConfigDict
@@ -58,6 +59,12 @@ def require(config: ConfigDict, fields) -> None:
             node = node[part]
         if node is None or node == "":
             raise ConfigError(f"config field {field!r} is required: set it in the config or pass --config.{field}=...")
+
+
+def parse_overrides(items) -> dict:
+    """`["train.lr=1e-3", "sampler.sde_window=(0, 9)"]` -> `{"train.lr": 0.001, ...}` (values as Python literals): the
+    benchmarks' `--set`."""
+    return {key: ast.literal_eval(value) for key, value in (item.split("=", 1) for item in items)}
 
 
 def load_config(path: str, variant: str = "", **fields) -> ConfigDict:

@@ -90,6 +90,13 @@ def initial_noise(rng, shape, group_size: int = 1, same_per_group: bool = False)
 TAIL_SOLVERS = ("euler", "dpm2m")
 
 
+def check_tail(solver: str, ratio: float, prefix: str = "") -> None:
+    """ValueError naming `{prefix}tail_solver` / `tail_ratio` unless the solver is known and 0 < ratio <= 1."""
+    if solver not in TAIL_SOLVERS or not 0 < ratio <= 1:
+        raise ValueError(f"{prefix}tail_solver={solver!r}, tail_ratio={ratio}: choose a solver in {', '.join(TAIL_SOLVERS)} "
+                         "and a ratio in (0, 1]")
+
+
 def tail_schedule(sigmas, levels, ratio: float = 1.0):
     """The steps after the SDE window on a coarser grid (MixGRPO-Flash's `dpm_apply_strategy="post"`): with `e` one past
     the last SDE step (0 when there is none), upstream's `int((T - e + 1) ratio)` grid points from sigma_e to 0, so
@@ -102,7 +109,7 @@ def tail_schedule(sigmas, levels, ratio: float = 1.0):
     e = jnp.max(jnp.where(levels > 0, idx + 1, 0))
     tail_len = (num_steps - e).astype(jnp.float32)
     points = jnp.floor((tail_len + 1.0) * ratio + 1e-5)  # upstream's int(...); 1e-5 absorbs float32 products like 5 x 0.4
-    n = jnp.where(ratio >= 1.0, tail_len, jnp.maximum(1.0, points - 1.0))
+    n = tail_len if ratio >= 1 else jnp.maximum(1.0, points - 1.0)
     j = (idx - e).astype(jnp.float32)
     at = lambda k: jnp.interp(e + k * tail_len / n, jnp.arange(num_steps + 1, dtype=jnp.float32), sigmas)  # noqa: E731
     tail = idx >= e
@@ -129,8 +136,7 @@ def rollout(velocity: Callable, x_T, sigmas, levels, rng, kind: str = "sde", pat
     level `levels[t]` (0 = ODE). The steps after the SDE window use `tail_solver` ("euler", or "dpm2m":
     DPM-Solver++(2M) fed by the previous step's x0, MixGRPO's ODE sampler) on `tail_ratio` of their grid
     (`tail_schedule`; a skipped step leaves the state as it is and calls no velocity). Returns the `Rollout` (module doc)."""
-    if tail_solver not in TAIL_SOLVERS or not 0 < tail_ratio <= 1:
-        raise ValueError(f"tail_solver={tail_solver!r}, tail_ratio={tail_ratio}: choose a solver in {TAIL_SOLVERS} and 0 < ratio <= 1")
+    check_tail(tail_solver, tail_ratio)
     num_steps = levels.shape[0]
     sigma_1 = sigmas[1]
     keys = jax.random.split(rng, num_steps)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from flowrl_jax.options import resolve
-from flowrl_jax.sampling.rollout import TAIL_SOLVERS
+from flowrl_jax.sampling.rollout import check_tail
 
 SCHEDULES = ("fixed", "random", "sliding")
 DEFAULTS = {"schedule": "fixed", "range": (), "shift_every": 25, "stride": 1, "wrap": True, "tail_solver": "euler", "tail_ratio": 1.0}
@@ -31,9 +31,7 @@ def base_window(sampler) -> tuple[int, int]:
 def tail(sampler) -> dict:
     """The rollout's keyword arguments for the steps after the window: `tail_solver`, `tail_ratio` (module doc)."""
     o = resolve(DEFAULTS, sampler.get("window"), owner="sampler.window")
-    if o.tail_solver not in TAIL_SOLVERS or not 0 < o.tail_ratio <= 1:
-        raise ValueError(f"sampler.window.tail_solver={o.tail_solver!r}, tail_ratio={o.tail_ratio}: choose a solver in "
-                         f"{', '.join(TAIL_SOLVERS)} and a ratio in (0, 1]")
+    check_tail(o.tail_solver, o.tail_ratio, "sampler.window.")
     return {"tail_solver": o.tail_solver, "tail_ratio": float(o.tail_ratio)}
 
 
