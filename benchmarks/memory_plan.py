@@ -126,6 +126,7 @@ def build_job(config, devices, components: dict = SD35_MEDIUM) -> SimpleNamespac
     mesh = parallel.make_mesh(config.mesh, devices=devices)
     w, t, s = config.world, config.train, config.sampler
     pipe, init_frozen = build_pipeline(components, dtype=jnp.dtype(w.dtype), param_dtype=jnp.dtype(w.param_dtype), remat=w.remat,
+                                       attention=w.attention, scan_blocks=w.scan_blocks,
                                        clip_max_length=w.clip_max_length, t5_max_length=w.t5_max_length, shift=s.shift)
     frozen = jax.eval_shape(init_frozen, jax.random.PRNGKey(0))
     world = SD3World.around(config, pipe, parallel.batch_sharding(mesh))
@@ -282,15 +283,91 @@ def print_traffic(prompts: int) -> dict:
     return out
 
 
+def attention_memory(resolution: int = 1024, text_tokens: int = 77 + 256, chunk_rows: int = 16) -> dict:
+    """The attention buffers of one SD3.5-M joint block at `resolution` px, per implementation (`models/attention.py`),
+    bf16 compute, by hand, per row (one image) and per rollout chunk of `chunk_rows` (8 prompts' rows x 2 for CFG):
+    S = (resolution / 16)^2 image + `text_tokens` text tokens, 24 heads of 64. `forward`: what one call holds at
+    once (its inputs aside); `residual`: what autodiff keeps per block for the backward (every block's at once without
+    remat). Cross-checks at one row, in seconds, no SD3.5: xla's forward against XLA:CPU's temp bytes for one compiled
+    call, xla's and splash's residuals against jax's own (`eval_shape` of `jax.vjp`; cudnn cannot trace off a GPU).
+    Prints the table; returns what `--attention` writes to attention_memory.json."""
+    from flowrl_jax.models import attention
+    from flowrl_jax.models.presets import PRESETS
+
+    dit = PRESETS["sd35_medium"]
+    heads, d = dit["num_attention_heads"], dit["attention_head_dim"]
+    s = (resolution // 16) ** 2 + text_tokens  # latent resolution / 8, patch 2
+    bf16, f32 = 2, 4
+    blk = attention.splash_block(s)
+    sp = -(-s // blk) * blk
+    hss, hsd, hpd = heads * s * s, heads * s * d, heads * sp * d
+    per_row = {
+        # xla_attention: q/k/v copied heads-major, the logits and their exp (float32, [H, S, S] each; the exp's bf16
+        # copy, the PV operand, fuses into the dot), the float32 PV output; the backward keeps the exp in float32 and
+        # in bf16, q/k/v heads-major and the float32 output
+        "xla": {"forward": {"scores_f32": hss * f32, "weights_f32": hss * f32, "qkv_heads_major_bf16": 3 * hsd * bf16,
+                            "out_f32": hsd * f32},
+                "residual": {"weights_f32": hss * f32, "weights_bf16": hss * bf16, "qkv_heads_major_bf16": 3 * hsd * bf16,
+                             "out_f32": hsd * f32}},
+        # cuDNN flash attention on [B, S, H, d] as is: the output and (training) the float32 softmax stats [H, S]; its
+        # S x S tiles stay on chip; the backward's float32 dQ accumulator [H, S, d] is a cuDNN workspace (approx.)
+        "cudnn": {"forward": {"out_bf16": hsd * bf16, "softmax_stats_f32": heads * s * f32},
+                  "residual": {"out_bf16": hsd * bf16, "softmax_stats_f32": heads * s * f32},
+                  "backward_workspace": {"dq_accumulator_f32": hsd * f32}},
+        # splash: q/k/v transposed to [H, Sp, d] and padded to Sp (block `blk`), the padded output, the logsumexp
+        # written 128 lanes wide [H, Sp, 128] float32 (then sliced to [H, Sp]), the q segment ids [Sp, 128] int32;
+        # per kernel instance (a head, a q block) VMEM scratch m, l [blk, 128] and o [blk, d] float32 (not HBM)
+        "splash": {"forward": {"qkv_padded_bf16": 3 * hpd * bf16, "out_padded_bf16": hpd * bf16,
+                               "logsumexp_lanes_f32": heads * sp * 128 * f32, "segment_ids_i32": sp * 128 * 4,
+                               "vmem_scratch_per_core": (2 * blk * 128 + blk * d) * f32},
+                   "residual": {"qkv_padded_bf16": 3 * hpd * bf16, "out_padded_bf16": hpd * bf16,
+                                "logsumexp_f32": heads * sp * f32}},
+    }
+    out = {"resolution": resolution, "S": s, "heads": heads, "head_dim": d, "splash_block": blk, "splash_S_padded": sp,
+           "chunk_rows": chunk_rows, "implementations": {}}
+    for name, parts in per_row.items():
+        row = {phase: sum(v for k, v in items.items() if not k.endswith("_per_core")) for phase, items in parts.items()}
+        out["implementations"][name] = {"parts_per_row": parts, "per_row": row,
+                                        "per_chunk": {phase: chunk_rows * v for phase, v in row.items()}}
+    spec = jax.ShapeDtypeStruct((1, s, heads, d), jnp.bfloat16)
+    lowered = jax.jit(attention.xla_attention).lower(spec, spec, spec)
+    # XLA:CPU hands the whole attention to one YNNPACK fusion whose scratch memory_analysis does not count (temp
+    # 0.04 GB: the heads-major copies alone); with those fusions off it materializes the buffers as XLA:TPU/GPU do.
+    stats = lowered.compile(compiler_options={"xla_cpu_experimental_ynn_fusion_type": ""}).memory_analysis()
+    out["cross_check_1_row"] = {"xla_forward_xla_cpu_temp": stats.temp_size_in_bytes}
+    for name in ("xla", "splash"):
+        fn = getattr(attention, f"{name}_attention")
+        res = jax.eval_shape(lambda q, k, v: jax.vjp(fn, q, k, v)[1], spec, spec, spec)
+        out["cross_check_1_row"][f"{name}_residual_jax"] = int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(res)))
+    r, c = out, out["cross_check_1_row"]
+    print(f"SD3.5-M attention buffers per joint block at {r['resolution']} px: S = {r['S']}, {r['heads']} heads x "
+          f"{r['head_dim']}, bf16 compute (splash: block {r['splash_block']}, S padded to {r['splash_S_padded']}); GB, by hand")
+    print(f"{'impl':7s} {'forward/row':>11s} {'fwd/chunk':>10s} {'residual/row':>12s} {'res/chunk':>10s}   "
+          f"(chunk = {r['chunk_rows']} rows)")
+    for name, m in r["implementations"].items():
+        print(f"{name:7s} {m['per_row']['forward'] / GB:11.3f} {m['per_chunk']['forward'] / GB:10.2f} "
+              f"{m['per_row']['residual'] / GB:12.3f} {m['per_chunk']['residual'] / GB:10.2f}")
+    print(f"cross-checks at 1 row: xla forward, XLA:CPU temp {c['xla_forward_xla_cpu_temp'] / GB:.3f}; residuals by jax.vjp: "
+          f"xla {c['xla_residual_jax'] / GB:.3f}, splash {c['splash_residual_jax'] / GB:.3f}")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default=",".join(config_lib.MEMORY_PLANS))
     parser.add_argument("--check", action="store_true", help="also compile at the largest batch found (another compile per target)")
     parser.add_argument("--out", default="benchmarks/results/memory_plan.json")
     parser.add_argument("--traffic", action="store_true", help="only the frozen DiT's replicate-or-FSDP table (no compiling)")
+    parser.add_argument("--attention", action="store_true", help="only the attention buffers per block at 1024 px, per "
+                        "implementation (by hand, xla cross-checked by one compile; seconds)")
     parser.add_argument("--method", default="grpo", choices=METHODS, help="leapalign: the gradient methods' plan (PickScore on "
                         "the VAE decode, rows '<target>+leapalign')")
     args = parser.parse_args()
+    if args.attention:
+        result = attention_memory()
+        with open(os.path.join(os.path.dirname(args.out) or ".", "attention_memory.json"), "w") as f:
+            json.dump(result, f, indent=2)
+        return
     base = config_lib.sd35m_train_config().train
     if args.traffic:
         traffic = print_traffic(base.prompts_per_iteration)

@@ -43,7 +43,7 @@ def main() -> None:
     for name, module, length in (("CLIP-L", CLIPTextEncoder(**CLIP_L, dtype=jnp.bfloat16), CLIP_TOKENS),
                                  ("CLIP-G", CLIPTextEncoder(**CLIP_G, dtype=jnp.bfloat16), CLIP_TOKENS),
                                  ("T5-XXL", T5Encoder(**T5_XXL, dtype=jnp.bfloat16), args.t5_tokens)):
-        count, flops = _params_and_flops(module, length)
+        count, flops = _params_and_flops(module.clone(scan_layers=False), length)  # XLA counts a loop body once
         rows[name] = {"params": count, "bf16_GB": 2 * count / 1e9, "GFLOP_per_prompt": flops / 1e9}
     cache_bytes = 2 * ((CLIP_TOKENS + args.t5_tokens) * JOINT_DIM + POOLED_DIM)  # bf16 tokens + pooled
     encoders_bytes = sum(2 * r["params"] for r in rows.values())

@@ -30,6 +30,8 @@ def model_config(preset: str) -> ConfigDict:
     cfg.dtype = "float32"  # compute dtype ("bfloat16" on TPU)
     cfg.param_dtype = "float32"
     cfg.remat = False
+    cfg.scan_blocks = True  # runs of equal blocks as one lax.scan (one compile per run, not per block); False: a Python loop
+    cfg.attention = "xla"  # "xla"; "cudnn" (GPU flash attention), "splash" (TPU Pallas): flowrl_jax/models/attention.py
     cfg.lora_alpha = 64.0
     cfg.timestep_scale = 1000.0
     cfg.weights = ""  # a diffusers SD3Transformer2DModel folder; "" = random init
@@ -45,6 +47,7 @@ def base_config(job: str) -> ConfigDict:
     cfg.partition_rules = DEFAULT_RULES
     cfg.min_fsdp_size = 2**14  # arrays smaller than this stay replicated
     cfg.distributed = "auto"  # jax.distributed.initialize() on a multi-host TPU slice or cluster (parallel.distributed_plan); True / False
+    cfg.compilation_cache = "auto"  # JAX's persistent cache: <workdir>/compilation_cache; a folder; "none" (compiler.cache_dir)
     cfg.distributed_timeout_s = 300  # processes that have not formed their group by then: a one-line error
     return cfg
 

@@ -13,7 +13,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from flowrl_jax import parallel
+from flowrl_jax import compiler, parallel
 from flowrl_jax.config_lib import ConfigError, require
 from flowrl_jax.rewards.remote import RewardServerError
 
@@ -108,6 +108,7 @@ def main(argv) -> None:
             raise ConfigError(str(e)) from None
         except parallel.DistributedStartError as e:
             _fail(str(e))
+        compiler.use_persistent_cache(config.get("compilation_cache", "auto"), _WORKDIR.value)
         run_job(config, _WORKDIR.value)
     except ConfigError as e:
         _fail(str(e))

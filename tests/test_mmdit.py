@@ -69,7 +69,8 @@ def test_non_square_input_and_text_length(tiny_model, tiny_params):
 
 @pytest.mark.parametrize("layers", [2, 5])
 def test_remat_matches_plain_forward_and_grad(tiny_model, tiny_params, layers):
-    """2 layers: each block alone (nn.remat); 5 layers, dual attention on 0-1: runs (0, 1), (2, 3) scanned, 4 alone."""
+    """Remat'd scanned blocks against the Python loop of blocks. 2 layers: each block alone (nn.remat); 5 layers, dual
+    attention on 0-1: runs (0, 1), (2, 3) scanned, 4 alone."""
     if layers != 2:
         tiny_model = tiny_model.clone(num_layers=layers, dual_attention_layers=(0, 1))
         shapes = jax.eval_shape(lambda: tiny_model.init(jax.random.PRNGKey(0), *tiny_model.dummy_inputs())["params"])
@@ -82,7 +83,8 @@ def test_remat_matches_plain_forward_and_grad(tiny_model, tiny_params, layers):
     def loss(model, p):
         return jnp.mean(model.apply({"params": p}, *inputs) ** 2)
 
-    l_plain, g_plain = jax.jit(jax.value_and_grad(lambda p: loss(tiny_model, p)))(tiny_params)
+    loop_model = tiny_model.clone(scan_blocks=False)
+    l_plain, g_plain = jax.jit(jax.value_and_grad(lambda p: loss(loop_model, p)))(tiny_params)
     l_remat, g_remat = jax.jit(jax.value_and_grad(lambda p: loss(remat_model, p)))(tiny_params)
     # Remat (and the scan) runs the same ops on the same shapes (same matmul and reduction orders); only XLA's fusion may
     # differ, i.e. whether a multiply-add becomes one FMA (<= eps/2 of the product). The 2-layer forward has 69 multiplies
@@ -110,7 +112,8 @@ def test_bfloat16_compute_stays_close_to_float32(tiny_model, tiny_params):
 
 def test_hand_flop_count_matches_xla_cost_analysis(tiny_model, tiny_params):
     """The hand count of models/flops.py against XLA's own count of the compiled forward."""
-    model = tiny_model.clone(num_layers=3, dual_attention_layers=(0, 1))
+    # blocks unrolled: XLA's cost analysis counts a while loop's body once, not once per trip
+    model = tiny_model.clone(num_layers=3, dual_attention_layers=(0, 1), scan_blocks=False)
     inputs = random_inputs(model, batch=4, text_len=6, height=8, width=8)
     params = jax.eval_shape(model.init, jax.random.PRNGKey(0), *inputs)["params"]
     compiled = jax.jit(lambda p, *a: model.apply({"params": p}, *a)).lower(params, *inputs).compile()
@@ -124,7 +127,7 @@ def test_hand_flop_count_matches_xla_cost_analysis(tiny_model, tiny_params):
 
 def test_attention_equals_jax_dot_product_attention_with_gradients():
     """The CPU-laid-out attention (heads-major, output normalized after PV) is softmax attention."""
-    from flowrl_jax.models.mmdit import attention
+    from flowrl_jax.models.attention import xla_attention as attention
 
     q, k, v, g = (jax.random.normal(key, (3, 11, 2, 8)) for key in jax.random.split(jax.random.PRNGKey(0), 4))
     q = 4 * q  # large logits: the max-subtraction matters
@@ -181,22 +184,24 @@ def test_lora_dense_merged_or_not_is_x_w_plus_scaled_x_a_b(width, rank):
 
 
 def test_scanned_remat_applies_lora_adapters_of_every_block(tiny_model):
-    """The scanned runs stack every variable collection: with LoRA adapters (random A and B) the remat'd forward equals
-    the plain one, and both equal the plain forward of the merged weights."""
+    """The scanned runs stack every variable collection: with LoRA adapters (random A and B) the scanned forward (the
+    default) and the remat'd one equal the Python loop of blocks, and all equal the loop's forward of the merged weights."""
     from flowrl_jax.models import lora
 
-    model = tiny_model.clone(num_layers=5, dual_attention_layers=(0, 1))
+    model = tiny_model.clone(num_layers=5, dual_attention_layers=(0, 1), scan_blocks=False)
     params = model.init(jax.random.PRNGKey(0), *model.dummy_inputs())["params"]
     params = jax.tree_util.tree_map(lambda a: a + 0.1 * jax.random.normal(jax.random.PRNGKey(3), a.shape), params)
     adapters = lora.init_adapters(params, jax.random.PRNGKey(1), rank=2)
     adapters = jax.tree_util.tree_map(lambda a: 0.3 * jax.random.normal(jax.random.PRNGKey(2), a.shape), adapters)
     inputs = random_inputs(model)
     plain = model.apply({"params": params, "lora": adapters}, *inputs)
-    remat = jax.jit(model.clone(remat=True).apply)({"params": params, "lora": adapters}, *inputs)
+    scanned = jax.jit(model.clone(scan_blocks=True).apply)({"params": params, "lora": adapters}, *inputs)
+    remat = jax.jit(model.clone(scan_blocks=True, remat=True).apply)({"params": params, "lora": adapters}, *inputs)
     merged = model.apply({"params": lora.merge(params, adapters, model.lora_alpha)}, *inputs)
     assert float(jnp.abs(plain - model.apply({"params": params}, *inputs)).max()) > 1e-2  # the adapters matter
     # same ops, same order (the remat test's bound, 5 layers: 5/2 x 69 eps/2 of the output's scale); merging reorders
     # each adapted matmul's sum (W + s A B) x vs W x + s (x A) B: <= K eps with K <= 4 x 16 features, 1e-4 of the scale
     scale = float(jnp.abs(plain).max())
+    np.testing.assert_allclose(scanned, plain, rtol=0, atol=2.5 * 69 * EPS * scale)  # remat test's bound, 5 layers
     np.testing.assert_allclose(remat, plain, rtol=0, atol=2.5 * 69 * EPS * scale)  # remat test's bound, 5 layers
     np.testing.assert_allclose(merged, plain, rtol=0, atol=1e-4 * scale)  # reordered sums, K <= 64: 64 eps ~ 8e-6

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from flowrl_jax.models import convert
+from flowrl_jax.models.scan import scan_layers
 
 Dtype = Any
 
@@ -145,6 +146,7 @@ class CLIPTextEncoder(nn.Module):
     eos_token_id: int = 2
     dtype: Dtype = jnp.float32  # compute dtype; LayerNorms, attention logits and softmax stay float32
     param_dtype: Dtype = jnp.float32
+    scan_layers: bool = True  # the layers as one lax.scan (scan.py: one compile, not one per layer); False: a loop
 
     def dummy_inputs(self, batch: int = 1, length: int = 1) -> tuple[jax.Array]:
         """Zero ids [batch, length], for `init`/`eval_shape`."""
@@ -168,10 +170,17 @@ class CLIPTextEncoder(nn.Module):
 
         keep = None if hidden_layer is None else hidden_layer % (n + 1)
         hidden = x if keep == 0 else None
-        for i in range(n):
-            x = CLIPEncoderLayer(self.num_attention_heads, self.intermediate_size, self.hidden_act, self.layer_norm_eps,
-                                 name=f"layers_{i}", **kw)(x, mask)
-            if keep == i + 1:
+        layer = functools.partial(CLIPEncoderLayer, self.num_attention_heads, self.intermediate_size, self.hidden_act,
+                                  self.layer_norm_eps, **kw)
+        for start, stop in ((0, keep), (keep, n)) if keep else ((0, n),):  # split where the kept hidden state is
+            if self.is_initializing() or not self.scan_layers or stop - start == 1:
+                for i in range(start, stop):
+                    x = layer(name=f"layers_{i}")(x, mask)
+            else:  # one compiled layer for the run (scan.py)
+                unbound = layer(parent=None)
+                x = scan_layers(self.variables, [f"layers_{i}" for i in range(start, stop)],
+                                lambda v, h: unbound.apply(v, h, mask), x)
+            if keep == stop:
                 hidden = x
 
         final_norm = _layer_norm(self.layer_norm_eps, self.param_dtype, "final_layer_norm")

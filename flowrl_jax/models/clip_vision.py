@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 from flowrl_jax.models import clip_text, convert
 from flowrl_jax.models.mmdit import patchify
+from flowrl_jax.models.scan import scan_layers
 
 Dtype = Any
 
@@ -106,17 +107,10 @@ class CLIPVisionEncoder(nn.Module):
                                           causal=False, name=name, **kw)
 
     def _scanned_layers(self, x: jax.Array) -> jax.Array:
-        """All layers as a `lax.scan` of one rematerialized layer over their parameters stacked on a leading axis."""
-        names = [f"layers_{i}" for i in range(self.num_hidden_layers)]
-        stacked = {col: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *(tree[n] for n in names))
-                   for col, tree in self.variables.items() if all(n in tree for n in names)}
+        """All layers as one `lax.scan` of a rematerialized layer (`scan.scan_layers`)."""
         layer = self._layer(parent=None)
-
-        def body(h, variables):
-            return layer.apply(variables, h, None), None
-
-        x, _ = jax.lax.scan(jax.checkpoint(body, prevent_cse=False), x, stacked)
-        return x
+        names = [f"layers_{i}" for i in range(self.num_hidden_layers)]
+        return scan_layers(self.variables, names, lambda v, h: layer.apply(v, h, None), x, remat=True)
 
     @nn.compact
     def __call__(self, pixel_values: jax.Array) -> jax.Array:

@@ -31,6 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flowrl_jax.models.attention import attend
+from flowrl_jax.models.scan import scan_layers
+
 Dtype = Any
 
 
@@ -214,6 +217,7 @@ class Attention(nn.Module):
     context_pre_only: bool
     dense: Any
     param_dtype: Dtype = jnp.float32
+    attention: str = "xla"  # implementation (`attention.IMPLEMENTATIONS`)
 
     def _project(self, x, names, norm_names):
         b, n, _ = x.shape
@@ -232,27 +236,12 @@ class Attention(nn.Module):
         if self.joint:
             cq, ck, cv = self._project(context, ("add_q_proj", "add_k_proj", "add_v_proj"), ("norm_added_q", "norm_added_k"))
             q, k, v = (jnp.concatenate(pair, axis=1) for pair in ((q, cq), (k, ck), (v, cv)))
-        out = attention(q, k, v).reshape(q.shape[0], q.shape[1], dim)
+        out = attend(q, k, v, self.attention).reshape(q.shape[0], q.shape[1], dim)
         n = x.shape[1]
         image_out = self.dense(dim, name="to_out")(out[:, :n])
         if not self.joint or self.context_pre_only:
             return image_out, None
         return image_out, self.dense(dim, name="to_add_out")(out[:, n:])
-
-
-def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Softmax attention, q/k/v [B, S, H, d] -> [B, S, H, d], laid out for the CPU: heads-major batched
-    matmuls `[B H, S, d]`, the softmax left unnormalized (`exp(s - max)`, max without gradient) and the
-    division done on the `[.., S, d]` output instead of the `[.., S, S]` probabilities. Same function as
-    `jax.nn.dot_product_attention` (tested); on 2 CPU cores at the quickstart's shapes ~3x faster forward
-    and ~20% faster forward+backward (WORKSPACE_NOTES.md, issue 7)."""
-    b, s, h, d = q.shape
-    q, k, v = (x.transpose(0, 2, 1, 3).reshape(b * h, s, d) for x in (q, k, v))
-    logits = jnp.einsum("bqd,bkd->bqk", q * jnp.asarray(d**-0.5, q.dtype), k, preferred_element_type=jnp.float32)
-    weights = jnp.exp(logits - jax.lax.stop_gradient(logits.max(-1, keepdims=True)))
-    out = jnp.einsum("bqk,bkd->bqd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    out = (out / weights.sum(-1, keepdims=True)).astype(v.dtype)
-    return out.reshape(b, h, s, d).transpose(0, 2, 1, 3)
 
 
 class JointBlock(nn.Module):
@@ -271,11 +260,13 @@ class JointBlock(nn.Module):
     dual_attention: bool
     dense: Any
     param_dtype: Dtype = jnp.float32
+    attention: str = "xla"
 
     @nn.compact
     def __call__(self, x, context, temb):
         dim, dense = self.dim, self.dense
-        attn_kw = dict(heads=self.heads, head_dim=self.head_dim, qk_norm=self.qk_norm, dense=dense, param_dtype=self.param_dtype)
+        attn_kw = dict(heads=self.heads, head_dim=self.head_dim, qk_norm=self.qk_norm, dense=dense, param_dtype=self.param_dtype,
+                       attention=self.attention)
 
         if self.dual_attention:
             (sh_msa, sc_msa, g_msa, sh_mlp, sc_mlp, g_mlp, sh_msa2, sc_msa2, g_msa2) = Modulation(dim, 9, dense, name="norm1")(temb)
@@ -336,7 +327,9 @@ class MMDiT(nn.Module):
     dtype: Dtype = jnp.float32  # compute dtype
     param_dtype: Dtype = jnp.float32
     lora_alpha: float = 64.0  # LoRA scale is lora_alpha / rank (only used when adapters are passed)
-    remat: bool = False  # rematerialize each block in the backward pass (jax.checkpoint; runs of equal blocks scanned)
+    remat: bool = False  # rematerialize each block in the backward pass (jax.checkpoint)
+    attention: str = "xla"  # attention implementation: "xla", "cudnn" (GPU flash), "splash" (TPU Pallas); attention.py
+    scan_blocks: bool = True  # runs of equal blocks as one lax.scan (scan.py); False: a Python loop, one compile per block
 
     @property
     def inner_dim(self) -> int:
@@ -357,20 +350,10 @@ class MMDiT(nn.Module):
         )
 
     def _scanned_run(self, start: int, stop: int, kind, block_kw: dict, h, context, temb):
-        """Blocks `start .. stop - 1` (one structure) as a `lax.scan` of a rematerialized block over their variables
-        stacked on a leading axis (every collection: params, LoRA adapters). In a scan each block's recomputation
-        waits for the backward pass to reach it on every backend; in an unrolled chain XLA:CPU schedules all of
-        them early and remat saves nothing (WORKSPACE_NOTES.md, the memory plan)."""
-        names = [f"transformer_blocks_{i}" for i in range(start, stop)]
-        stacked = {col: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *(tree[n] for n in names))
-                   for col, tree in self.variables.items() if all(n in tree for n in names)}
+        """Blocks `start .. stop - 1` (one structure) as one `lax.scan` (`scan.scan_layers`), remat'd under `remat`."""
         block = JointBlock(dual_attention=kind[0], context_pre_only=kind[1], parent=None, **block_kw)
-
-        def body(carry, variables):
-            return block.apply(variables, *carry, temb), None
-
-        (h, context), _ = jax.lax.scan(jax.checkpoint(body, prevent_cse=False), (h, context), stacked)
-        return h, context
+        names = [f"transformer_blocks_{i}" for i in range(start, stop)]
+        return scan_layers(self.variables, names, lambda v, carry: block.apply(v, *carry, temb), (h, context), self.remat)
 
     @nn.compact
     def __call__(self, x: jax.Array, t: jax.Array, text_tokens: jax.Array, pooled: jax.Array) -> jax.Array:
@@ -401,12 +384,13 @@ class MMDiT(nn.Module):
 
         kinds = [(i in tuple(self.dual_attention_layers), i == self.num_layers - 1) for i in range(self.num_layers)]
         block_kw = dict(dim=dim, heads=self.num_attention_heads, head_dim=self.attention_head_dim, qk_norm=self.qk_norm, dense=dense,
-                        param_dtype=self.param_dtype)
-        if self.remat and not self.is_initializing():
+                        param_dtype=self.param_dtype, attention=self.attention)
+        if self.scan_blocks and not self.is_initializing():
             for start, stop in block_runs(kinds):
                 if stop - start == 1:
-                    h, context = nn.remat(JointBlock)(dual_attention=kinds[start][0], context_pre_only=kinds[start][1],
-                                                      name=f"transformer_blocks_{start}", **block_kw)(h, context, temb)
+                    block_cls = nn.remat(JointBlock) if self.remat else JointBlock
+                    h, context = block_cls(dual_attention=kinds[start][0], context_pre_only=kinds[start][1],
+                                           name=f"transformer_blocks_{start}", **block_kw)(h, context, temb)
                 else:
                     h, context = self._scanned_run(start, stop, kinds[start], block_kw, h, context, temb)
         else:

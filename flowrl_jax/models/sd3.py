@@ -145,7 +145,8 @@ def _shift(folder: str) -> float:
 
 
 def load_sd3_pipeline(folder: str, dtype=jnp.float32, param_dtype=jnp.float32, clip_max_length: int = 77,
-                      t5_max_length: int = 256, remat: bool = False) -> tuple[SD3Pipeline, dict]:
+                      t5_max_length: int = 256, remat: bool = False, attention: str = "xla",
+                      scan_blocks: bool = True) -> tuple[SD3Pipeline, dict]:
     """A diffusers SD3/SD3.5 folder -> (SD3Pipeline, {"dit", "text": {"clip_l", "clip_g"[, "t5"]}, "vae"}) on the host.
 
     A missing component is a FileNotFoundError naming it; an unknown key, a missing key or a shape mismatch
@@ -154,7 +155,8 @@ def load_sd3_pipeline(folder: str, dtype=jnp.float32, param_dtype=jnp.float32, c
         raise FileNotFoundError(f"SD3 pipeline folder {folder} not found: point to a diffusers StableDiffusion3Pipeline "
                                 "folder (save_pretrained / a downloaded snapshot)")
     kw = dict(dtype=dtype, param_dtype=param_dtype)
-    dit, dit_params = _load(convert.load_diffusers, _component(folder, "transformer"), remat=remat, **kw)
+    dit, dit_params = _load(convert.load_diffusers, _component(folder, "transformer"), remat=remat, attention=attention,
+                            scan_blocks=scan_blocks, **kw)
     clip_l, clip_l_params = _load(clip_text.load, _component(folder, "text_encoder"), **kw)
     clip_g, clip_g_params = _load(clip_text.load, _component(folder, "text_encoder_2"), **kw)
     text = {"clip_l": clip_l_params, "clip_g": clip_g_params}
@@ -185,12 +187,13 @@ SD35_MEDIUM = {
 
 
 def build_pipeline(components: dict = SD35_MEDIUM, dtype=jnp.bfloat16, param_dtype=jnp.float32, remat: bool = False,
+                   attention: str = "xla", scan_blocks: bool = True,
                    clip_max_length: int = 77, t5_max_length: int = 256, shift: float = 3.0):
     """(SD3Pipeline without tokenizers, `init(rng) -> params`) for `components` (default SD3.5-M): random weights
     for throughput runs (`benchmarks/gpu_real_size.py`), or their shapes alone (`abstract_pipeline`). Without
     tokenizers, `tokenize` gives zeros of the right shape."""
     kw = dict(dtype=dtype, param_dtype=param_dtype)
-    dit = MMDiT(**components["dit"], remat=remat, **kw)
+    dit = MMDiT(**components["dit"], remat=remat, attention=attention, scan_blocks=scan_blocks, **kw)
     clip_l, clip_g = (clip_text.CLIPTextEncoder(**components[k], **kw) for k in ("clip_l", "clip_g"))
     t5 = t5_lib.T5Encoder(**components["t5"], **kw)
     vae = vae_lib.AutoencoderKL(**components["vae"], **kw)

@@ -34,6 +34,7 @@ import numpy as np
 
 from flowrl_jax.models import convert
 from flowrl_jax.models.mmdit import RMSNorm
+from flowrl_jax.models.scan import scan_layers
 
 Dtype = Any
 
@@ -185,6 +186,7 @@ class T5Encoder(nn.Module):
     dense_act_fn: str = "gelu_new"
     dtype: Dtype = jnp.float32  # matmul compute dtype
     param_dtype: Dtype = jnp.float32
+    scan_layers: bool = True  # blocks 1.. as one lax.scan (scan.py: one compile, not one per block); False: a loop
 
     @nn.compact
     def __call__(self, ids: jax.Array, mask: jax.Array | None = None) -> jax.Array:
@@ -194,12 +196,20 @@ class T5Encoder(nn.Module):
         x = nn.Embed(self.vocab_size, self.d_model, param_dtype=self.param_dtype, name="shared")(ids).astype(jnp.float32)
         feed_forward = dict(d_ff=self.d_ff, dense_act_fn=self.dense_act_fn, dtype=self.dtype)
         position_bias = None
-        for i in range(self.num_layers):
+
+        def block(i, **kw):  # block 0 alone holds the relative position bias; blocks 1.. are equal
             attention = dict(num_heads=self.num_heads, d_kv=self.d_kv, num_buckets=self.relative_attention_num_buckets,
                              max_distance=self.relative_attention_max_distance, has_relative_attention_bias=i == 0,
                              dtype=self.dtype)
-            x, position_bias = Block(attention, feed_forward, self.layer_norm_epsilon, self.param_dtype,
-                                     name=f"block_{i}")(x, position_bias, mask_bias)
+            return Block(attention, feed_forward, self.layer_norm_epsilon, self.param_dtype, **kw)
+
+        scan = self.scan_layers and not self.is_initializing() and self.num_layers > 2
+        for i in range(1 if scan else self.num_layers):
+            x, position_bias = block(i, name=f"block_{i}")(x, position_bias, mask_bias)
+        if scan:  # one compiled block for blocks 1.. (scan.py)
+            unbound = block(1, parent=None)
+            x = scan_layers(self.variables, [f"block_{i}" for i in range(1, self.num_layers)],
+                            lambda v, h: unbound.apply(v, h, position_bias, mask_bias)[0], x)
         return RMSNorm(self.layer_norm_epsilon, self.param_dtype, name="final_layer_norm")(x)
 
 

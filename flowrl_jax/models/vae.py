@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from flowrl_jax.models import convert
-from flowrl_jax.models.mmdit import attention
+from flowrl_jax.models.attention import xla_attention as attention
 
 Dtype = Any
 

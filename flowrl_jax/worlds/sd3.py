@@ -44,6 +44,8 @@ DEFAULTS = {
     "dtype": "float32",      # compute dtype of every component ("bfloat16" on TPU / GPU)
     "param_dtype": "float32",
     "remat": False,          # rematerialize each MMDiT block in the backward pass (the memory plan, README)
+    "scan_blocks": True,     # the MMDiT's runs of equal blocks as one lax.scan (models/mmdit.py); False: a Python loop
+    "attention": "xla",      # "xla"; "cudnn" (GPU flash attention); "splash" (TPU Pallas): models/attention.py
     "reward_models": dict(device.FOLDERS),  # the device rewards' weights (pickscore, clipscore, aesthetic): rewards/device.py
 }
 
@@ -86,7 +88,8 @@ class SD3World:
     def load(self):
         w = self.world_cfg
         self.pipe, params = load_sd3_pipeline(w.pipeline, dtype=jnp.dtype(w.dtype), param_dtype=jnp.dtype(w.param_dtype),
-                                              clip_max_length=w.clip_max_length, t5_max_length=w.t5_max_length, remat=w.remat)
+                                              clip_max_length=w.clip_max_length, t5_max_length=w.t5_max_length, remat=w.remat,
+                                              attention=w.attention, scan_blocks=w.scan_blocks)
         self.latent_shape(1)  # the resolution fits the VAE and the patch size (ValueError otherwise)
         self._vae = params["vae"]  # host; the latent reward model decodes with it (`reward_model`)
         self._rows = parallel.batch_sharding(parallel.make_mesh(self.config.mesh))

@@ -12,6 +12,7 @@ grid `eval_<step>.png` and, optionally, the learned reward of the same images.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -22,7 +23,9 @@ from flowrl_jax.data import datasets, shapes
 from flowrl_jax.rewards import device, learned
 
 DEFAULTS = {"base": "shapes32", "train_prompts": "", "test_prompts": "",  # prompt sets: "" = the shipped train / test sets
-            "reward_models": dict(device.FOLDERS)}  # the device rewards' weights (rewards/device.py), for any world
+            "reward_models": dict(device.FOLDERS),  # the device rewards' weights (rewards/device.py), for any world
+            "scan_blocks": True,  # the base DiT's runs of equal blocks as one lax.scan (models/mmdit.py); False: a loop
+            "attention": "xla"}  # "xla"; "cudnn" (GPU flash attention); "splash" (TPU Pallas): models/attention.py
 
 
 def load_prompt_set(path: str, split: str) -> list[dict]:
@@ -46,7 +49,7 @@ class ShapesWorld:
 
     def __init__(self, config, loaded=None):
         w, self.eval_cfg = config.world, config.eval
-        self.loaded = loaded
+        self.loaded, self.dit_fields = loaded, dict(scan_blocks=w.scan_blocks, attention=w.attention)
         self.base, self.reward_models = w.base, w.reward_models
         self.train_prompts = load_prompt_set(w.train_prompts, "train")
         test = load_prompt_set(w.test_prompts, "test")
@@ -58,12 +61,13 @@ class ShapesWorld:
     def load(self):
         """-> (dit, {"dit", "text"}) of the base model; a missing or corrupt one raises ValueError."""
         if self.loaded is not None:
-            self.pipe, params = self.loaded
-            return self.pipe.dit, params
-        try:
-            self.pipe, params, _ = assets.load_pipeline(self.base, use_ema=True)
-        except (FileNotFoundError, assets.AssetError, ValueError, OSError, KeyError) as e:
-            raise ValueError(f"cannot load the base model {self.base!r} (config.world.base): {str(e).splitlines()[0]}") from None
+            pipe, params = self.loaded
+        else:
+            try:
+                pipe, params, _ = assets.load_pipeline(self.base, use_ema=True)
+            except (FileNotFoundError, assets.AssetError, ValueError, OSError, KeyError) as e:
+                raise ValueError(f"cannot load the base model {self.base!r} (config.world.base): {str(e).splitlines()[0]}") from None
+        self.pipe = dataclasses.replace(pipe, dit=pipe.dit.clone(**self.dit_fields))  # the world's scan / attention fields
         return self.pipe.dit, params
 
     def tokenize(self, prompts):
