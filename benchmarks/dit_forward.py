@@ -44,7 +44,7 @@ def bench(preset: str, batch: int, text_len: int, repeats: int) -> dict:
 
     forward = jax.jit(lambda p, *a: model.apply({"params": p}, *a))
     train = jax.jit(jax.value_and_grad(lambda p, *a: jnp.mean((model.apply({"params": p}, *a) - target) ** 2)))
-    unrolled = model.clone(scan_blocks=False)  # XLA's cost analysis counts a loop body once, not once per trip
+    unrolled = model.clone(scan_blocks="never")  # XLA's cost analysis counts a loop body once, not once per trip
     xla = jax.jit(lambda p, *a: unrolled.apply({"params": p}, *a)).lower(params, *inputs).compile().cost_analysis()
     xla_flops = (xla[0] if isinstance(xla, list) else xla)["flops"]
 

@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/throughput_on_paper.json")
     args = parser.parse_args()
 
-    dit = MMDiT(**presets.PRESETS["sd35_medium"], dtype=jnp.bfloat16, scan_blocks=False)  # XLA counts a loop body once
+    dit = MMDiT(**presets.PRESETS["sd35_medium"], dtype=jnp.bfloat16, scan_blocks="never")  # XLA counts a loop body once
     x, t, txt, pooled = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in dit.dummy_inputs(1, 77 + 128, 64, 64))
     params = jax.eval_shape(lambda: dit.init(jax.random.PRNGKey(0), *dit.dummy_inputs(1, 1, 8, 8)))["params"]
     hand = flops.forward_flops(dit, params, 1, 64, 64, 77 + 128)

@@ -30,7 +30,7 @@ def model_config(preset: str) -> ConfigDict:
     cfg.dtype = "float32"  # compute dtype ("bfloat16" on TPU)
     cfg.param_dtype = "float32"
     cfg.remat = False
-    cfg.scan_blocks = True  # runs of equal blocks as one lax.scan (one compile per run, not per block); False: a Python loop
+    cfg.scan_blocks = "auto"  # runs of equal blocks as one lax.scan: "auto" (remat, or width >= 1024), "always", "never"
     cfg.attention = "xla"  # "xla"; "cudnn" (GPU flash attention), "splash" (TPU Pallas): flowrl_jax/models/attention.py
     cfg.lora_alpha = 64.0
     cfg.timestep_scale = 1000.0

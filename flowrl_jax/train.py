@@ -39,7 +39,7 @@ from flowrl_jax import credit as credit_lib, metrics, objectives, parallel, path
 from flowrl_jax.checkpoint import CheckpointError, Checkpointer
 from flowrl_jax.config_lib import ConfigError
 from flowrl_jax.data import curriculum
-from flowrl_jax.models import attention, lora
+from flowrl_jax.models import attention, lora, mmdit
 from flowrl_jax.rewards import remote
 from flowrl_jax.sampling import windows
 from flowrl_jax.steps import Steps, TrainState, learning_rate, minibatches, sampler_levels
@@ -119,6 +119,8 @@ def validate(config):
     if config.train.get("score_while_sampling") and not 0 < config.train.rollout_chunk < rows:
         raise ConfigError(f"train.score_while_sampling=True scores each rollout chunk while the next samples: set "
                           f"train.rollout_chunk to the rows per chunk, fewer than the {rows} of an iteration (e.g. {rows // 4})")
+    if config.world.get("scan_blocks", "auto") not in mmdit.SCAN_CHOICES:
+        raise ConfigError(f"world.scan_blocks={config.world.scan_blocks!r}: choose one of {', '.join(mmdit.SCAN_CHOICES)}")
     if config.world.get("attention", "xla") not in attention.IMPLEMENTATIONS:
         raise ConfigError(f"world.attention={config.world.attention!r}: choose one of {', '.join(attention.IMPLEMENTATIONS)}")
     if config.train.lora_init not in lora.INITS:

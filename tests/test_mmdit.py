@@ -83,7 +83,7 @@ def test_remat_matches_plain_forward_and_grad(tiny_model, tiny_params, layers):
     def loss(model, p):
         return jnp.mean(model.apply({"params": p}, *inputs) ** 2)
 
-    loop_model = tiny_model.clone(scan_blocks=False)
+    loop_model = tiny_model.clone(scan_blocks="never")
     l_plain, g_plain = jax.jit(jax.value_and_grad(lambda p: loss(loop_model, p)))(tiny_params)
     l_remat, g_remat = jax.jit(jax.value_and_grad(lambda p: loss(remat_model, p)))(tiny_params)
     # Remat (and the scan) runs the same ops on the same shapes (same matmul and reduction orders); only XLA's fusion may
@@ -113,7 +113,7 @@ def test_bfloat16_compute_stays_close_to_float32(tiny_model, tiny_params):
 def test_hand_flop_count_matches_xla_cost_analysis(tiny_model, tiny_params):
     """The hand count of models/flops.py against XLA's own count of the compiled forward."""
     # blocks unrolled: XLA's cost analysis counts a while loop's body once, not once per trip
-    model = tiny_model.clone(num_layers=3, dual_attention_layers=(0, 1), scan_blocks=False)
+    model = tiny_model.clone(num_layers=3, dual_attention_layers=(0, 1), scan_blocks="never")
     inputs = random_inputs(model, batch=4, text_len=6, height=8, width=8)
     params = jax.eval_shape(model.init, jax.random.PRNGKey(0), *inputs)["params"]
     compiled = jax.jit(lambda p, *a: model.apply({"params": p}, *a)).lower(params, *inputs).compile()
@@ -188,15 +188,15 @@ def test_scanned_remat_applies_lora_adapters_of_every_block(tiny_model):
     default) and the remat'd one equal the Python loop of blocks, and all equal the loop's forward of the merged weights."""
     from flowrl_jax.models import lora
 
-    model = tiny_model.clone(num_layers=5, dual_attention_layers=(0, 1), scan_blocks=False)
+    model = tiny_model.clone(num_layers=5, dual_attention_layers=(0, 1), scan_blocks="never")
     params = model.init(jax.random.PRNGKey(0), *model.dummy_inputs())["params"]
     params = jax.tree_util.tree_map(lambda a: a + 0.1 * jax.random.normal(jax.random.PRNGKey(3), a.shape), params)
     adapters = lora.init_adapters(params, jax.random.PRNGKey(1), rank=2)
     adapters = jax.tree_util.tree_map(lambda a: 0.3 * jax.random.normal(jax.random.PRNGKey(2), a.shape), adapters)
     inputs = random_inputs(model)
     plain = model.apply({"params": params, "lora": adapters}, *inputs)
-    scanned = jax.jit(model.clone(scan_blocks=True).apply)({"params": params, "lora": adapters}, *inputs)
-    remat = jax.jit(model.clone(scan_blocks=True, remat=True).apply)({"params": params, "lora": adapters}, *inputs)
+    scanned = jax.jit(model.clone(scan_blocks="always").apply)({"params": params, "lora": adapters}, *inputs)
+    remat = jax.jit(model.clone(scan_blocks="always", remat=True).apply)({"params": params, "lora": adapters}, *inputs)
     merged = model.apply({"params": lora.merge(params, adapters, model.lora_alpha)}, *inputs)
     assert float(jnp.abs(plain - model.apply({"params": params}, *inputs)).max()) > 1e-2  # the adapters matter
     # same ops, same order (the remat test's bound, 5 layers: 5/2 x 69 eps/2 of the output's scale); merging reorders
@@ -205,3 +205,15 @@ def test_scanned_remat_applies_lora_adapters_of_every_block(tiny_model):
     np.testing.assert_allclose(scanned, plain, rtol=0, atol=2.5 * 69 * EPS * scale)  # remat test's bound, 5 layers
     np.testing.assert_allclose(remat, plain, rtol=0, atol=2.5 * 69 * EPS * scale)  # remat test's bound, 5 layers
     np.testing.assert_allclose(merged, plain, rtol=0, atol=1e-4 * scale)  # reordered sums, K <= 64: 64 eps ~ 8e-6
+
+
+def test_scan_blocks_auto_rule():
+    """"auto" scans under remat and from SCAN_MIN_WIDTH on (the SD3 family), loops below; a wrong value is named."""
+    from flowrl_jax.models.mmdit import MMDiT
+    from flowrl_jax.models.presets import PRESETS
+
+    assert not MMDiT(**PRESETS["shapes32"]).scans_blocks and MMDiT(**PRESETS["shapes32"], remat=True).scans_blocks
+    assert MMDiT(**PRESETS["sd35_medium"]).scans_blocks and not MMDiT(**PRESETS["sd35_medium"], scan_blocks="never").scans_blocks
+    assert MMDiT(**PRESETS["tiny"], scan_blocks="always").scans_blocks
+    with pytest.raises(ValueError, match="scan_blocks='yes'"):
+        MMDiT(**PRESETS["tiny"], scan_blocks="yes").scans_blocks

@@ -35,6 +35,8 @@ from flowrl_jax.models.attention import attend
 from flowrl_jax.models.scan import scan_layers
 
 Dtype = Any
+SCAN_CHOICES = ("auto", "always", "never")
+SCAN_MIN_WIDTH = 1024  # "auto" scans the blocks of MMDiTs at least this wide (SD3: 1536, SD3.5-L: 2432)
 
 
 # ----------------------------------------------------------------------------- token layout
@@ -329,7 +331,7 @@ class MMDiT(nn.Module):
     lora_alpha: float = 64.0  # LoRA scale is lora_alpha / rank (only used when adapters are passed)
     remat: bool = False  # rematerialize each block in the backward pass (jax.checkpoint)
     attention: str = "xla"  # attention implementation: "xla", "cudnn" (GPU flash), "splash" (TPU Pallas); attention.py
-    scan_blocks: bool = True  # runs of equal blocks as one lax.scan (scan.py); False: a Python loop, one compile per block
+    scan_blocks: str = "auto"  # runs of equal blocks as one lax.scan (scan.py): "auto" (`scans_blocks`), "always", "never"
 
     @property
     def inner_dim(self) -> int:
@@ -354,6 +356,17 @@ class MMDiT(nn.Module):
         block = JointBlock(dual_attention=kind[0], context_pre_only=kind[1], parent=None, **block_kw)
         names = [f"transformer_blocks_{i}" for i in range(start, stop)]
         return scan_layers(self.variables, names, lambda v, carry: block.apply(v, *carry, temb), (h, context), self.remat)
+
+    @property
+    def scans_blocks(self) -> bool:
+        """Whether runs of equal blocks run as one `lax.scan` (one compile per run) or a Python loop (one per block).
+        "auto": scan under remat (remat saves memory only in a scan) and from width SCAN_MIN_WIDTH on (the SD3 family);
+        below it the loop ran as fast or faster on CPU and compiled as fast (WORKSPACE_NOTES.md, issue 32)."""
+        if self.scan_blocks not in SCAN_CHOICES:
+            raise ValueError(f"scan_blocks={self.scan_blocks!r}; choose one of {SCAN_CHOICES}")
+        if self.scan_blocks == "auto":
+            return self.remat or self.inner_dim >= SCAN_MIN_WIDTH
+        return self.scan_blocks == "always"
 
     @nn.compact
     def __call__(self, x: jax.Array, t: jax.Array, text_tokens: jax.Array, pooled: jax.Array) -> jax.Array:
@@ -385,7 +398,7 @@ class MMDiT(nn.Module):
         kinds = [(i in tuple(self.dual_attention_layers), i == self.num_layers - 1) for i in range(self.num_layers)]
         block_kw = dict(dim=dim, heads=self.num_attention_heads, head_dim=self.attention_head_dim, qk_norm=self.qk_norm, dense=dense,
                         param_dtype=self.param_dtype, attention=self.attention)
-        if self.scan_blocks and not self.is_initializing():
+        if self.scans_blocks and not self.is_initializing():
             for start, stop in block_runs(kinds):
                 if stop - start == 1:
                     block_cls = nn.remat(JointBlock) if self.remat else JointBlock

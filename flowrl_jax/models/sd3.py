@@ -146,7 +146,7 @@ def _shift(folder: str) -> float:
 
 def load_sd3_pipeline(folder: str, dtype=jnp.float32, param_dtype=jnp.float32, clip_max_length: int = 77,
                       t5_max_length: int = 256, remat: bool = False, attention: str = "xla",
-                      scan_blocks: bool = True) -> tuple[SD3Pipeline, dict]:
+                      scan_blocks: str = "auto") -> tuple[SD3Pipeline, dict]:
     """A diffusers SD3/SD3.5 folder -> (SD3Pipeline, {"dit", "text": {"clip_l", "clip_g"[, "t5"]}, "vae"}) on the host.
 
     A missing component is a FileNotFoundError naming it; an unknown key, a missing key or a shape mismatch
@@ -187,7 +187,7 @@ SD35_MEDIUM = {
 
 
 def build_pipeline(components: dict = SD35_MEDIUM, dtype=jnp.bfloat16, param_dtype=jnp.float32, remat: bool = False,
-                   attention: str = "xla", scan_blocks: bool = True,
+                   attention: str = "xla", scan_blocks: str = "auto",
                    clip_max_length: int = 77, t5_max_length: int = 256, shift: float = 3.0):
     """(SD3Pipeline without tokenizers, `init(rng) -> params`) for `components` (default SD3.5-M): random weights
     for throughput runs (`benchmarks/gpu_real_size.py`), or their shapes alone (`abstract_pipeline`). Without

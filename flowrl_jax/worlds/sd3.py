@@ -44,7 +44,7 @@ DEFAULTS = {
     "dtype": "float32",      # compute dtype of every component ("bfloat16" on TPU / GPU)
     "param_dtype": "float32",
     "remat": False,          # rematerialize each MMDiT block in the backward pass (the memory plan, README)
-    "scan_blocks": True,     # the MMDiT's runs of equal blocks as one lax.scan (models/mmdit.py); False: a Python loop
+    "scan_blocks": "auto",   # the MMDiT's runs of equal blocks as one lax.scan: "auto", "always", "never" (models/mmdit.py)
     "attention": "xla",      # "xla"; "cudnn" (GPU flash attention); "splash" (TPU Pallas): models/attention.py
     "reward_models": dict(device.FOLDERS),  # the device rewards' weights (pickscore, clipscore, aesthetic): rewards/device.py
 }

@@ -24,7 +24,7 @@ from flowrl_jax.rewards import device, learned
 
 DEFAULTS = {"base": "shapes32", "train_prompts": "", "test_prompts": "",  # prompt sets: "" = the shipped train / test sets
             "reward_models": dict(device.FOLDERS),  # the device rewards' weights (rewards/device.py), for any world
-            "scan_blocks": True,  # the base DiT's runs of equal blocks as one lax.scan (models/mmdit.py); False: a loop
+            "scan_blocks": "auto",  # the base DiT's runs of equal blocks as one lax.scan: "auto", "always", "never" (mmdit.py)
             "attention": "xla"}  # "xla"; "cudnn" (GPU flash attention); "splash" (TPU Pallas): models/attention.py
 
 
