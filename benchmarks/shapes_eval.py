@@ -33,7 +33,9 @@ def time_evaluate(batch: int, size: int, repeats: int) -> dict:
         t0 = time.perf_counter()
         out = shapes_eval.evaluate(images, specs)
         times.append(time.perf_counter() - t0)
-    return dict(size=size, batch=batch, seconds=statistics.median(times), strict_mean=float(out["strict"].mean()))
+    seconds = statistics.median(times)
+    return dict(size=size, batch=batch, seconds=seconds, images_per_s=batch / seconds,
+                strict_mean=float(out["strict"].mean()))
 
 
 def main() -> None:
@@ -46,9 +48,10 @@ def main() -> None:
     args = parser.parse_args()
 
     timing = [time_evaluate(args.batch, size, args.repeats) for size in (32, 64)]
-    print(f"{'size':>5s} {'batch':>6s} {'evaluate s':>11s} {'us/image':>9s} {'strict':>7s}")
+    print(f"{'size':>5s} {'batch':>6s} {'evaluate s':>11s} {'us/image':>9s} {'images/s':>9s} {'strict':>7s}")
     for r in timing:
-        print(f"{r['size']:5d} {r['batch']:6d} {r['seconds']:11.3f} {1e6 * r['seconds'] / r['batch']:9.1f} {r['strict_mean']:7.3f}")
+        print(f"{r['size']:5d} {r['batch']:6d} {r['seconds']:11.3f} {1e6 * r['seconds'] / r['batch']:9.1f}"
+              f" {r['images_per_s']:9.0f} {r['strict_mean']:7.3f}")
 
     t0 = time.perf_counter()
     clean = shapes_eval.validate(args.validate, seed=0)

@@ -142,6 +142,60 @@ def test_same_color_objects_kept_apart():
     assert shapes_eval.evaluate(img, ["two squares"])["strict"][0] == 1
 
 
+def _flood_fill(code):
+    """Plain BFS: the 8-connected components of equal code (-1 = none) of a 2D map, ids 1.. in raster order of
+    their first pixels."""
+    h, w = code.shape
+    labels, n = np.zeros((h, w), np.int64), 0
+    for y0, x0 in np.ndindex(h, w):
+        if code[y0, x0] < 0 or labels[y0, x0]:
+            continue
+        n += 1
+        labels[y0, x0], queue = n, [(y0, x0)]
+        while queue:
+            y, x = queue.pop()
+            for yy in range(max(y - 1, 0), min(y + 2, h)):
+                for xx in range(max(x - 1, 0), min(x + 2, w)):
+                    if not labels[yy, xx] and code[yy, xx] == code[y, x]:
+                        labels[yy, xx] = n
+                        queue.append((yy, xx))
+    return labels, n
+
+
+@pytest.mark.parametrize("colors", [1, 2, 4])
+def test_components_are_the_flood_fill(colors):
+    """`_components` (scipy labels, each color apart where colors touch) against a BFS: the same pixel sets with
+    the same ids (raster order), on random maps of several densities; images stacked with a border of no color,
+    as `detect` stacks them, stay apart."""
+    rng = np.random.default_rng(colors)
+    for density in (0.0, 0.2, 0.45, 0.7, 0.95):
+        images = np.where(rng.random((4, 21, 27)) < density, rng.integers(colors, size=(4, 21, 27)), -1)
+        code = np.pad(images, ((0, 0), (1, 1), (1, 1)), constant_values=-1).reshape(4 * 23, 29).astype(np.int8)
+        labels, n = shapes_eval._components(code)
+        want, n_want = _flood_fill(code)
+        assert n == n_want and labels.dtype == np.int32
+        np.testing.assert_array_equal(labels, want)
+        assert sum(len(np.unique(im[im > 0])) for im in labels.reshape(4, 23, 29)) == n  # none in two images
+
+
+def test_detect_is_per_image():
+    """Detecting a batch (several chunks, at 32 and 64 px; rendered, noisy and pure noise images) gives each
+    image's own detections, bit for bit, in image order."""
+    rng = np.random.default_rng(5)
+    pool = [s for c in shapes.CATEGORIES for s in shapes.all_specs(c)]
+    for size in (32, 64):
+        n = 2 * (shapes_eval._CHUNK_PX // (size * size)) + 7  # three chunks, the last one partial
+        images = shapes.render_batch([pool[i] for i in rng.integers(len(pool), size=n)], rng, size)
+        images[: n // 3] += 0.3 * rng.standard_normal(images[: n // 3].shape).astype(np.float32)
+        images[-3:] = rng.uniform(-1, 1, images[-3:].shape)
+        batch = shapes_eval.detect(images)
+        singles = [shapes_eval.detect(im[None]) for im in images]
+        for key, got in batch.items():
+            want = np.concatenate([o[key] + i if key == "image" else o[key] for i, o in enumerate(singles)])
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(got, want, err_msg=key)
+
+
 def test_length_mismatch_raises():
     with pytest.raises(ValueError, match="2 images but 1 specs"):
         shapes_eval.evaluate(_canvas(2), ["a circle"])
