@@ -1,6 +1,7 @@
 """flowrl_jax against the PyTorch/diffusers Flow-GRPO stack on the same work, in one process (issue 7).
 
     python benchmarks/compare_torch.py [--setups quickstart,medium] [--repeats 3] [--no-compile]
+    python benchmarks/compare_torch.py --device cuda --bf16     # a GPU: ours in bf16, torch with bf16 autocast
 
 Each setup builds both sides from the same weights: flowrl_jax's `steps.Steps` (the jitted rollout,
 credit and update that `python -m flowrl_jax.main` runs) and `torch_reference.TorchFlowGRPO` on diffusers'
@@ -26,7 +27,9 @@ weights), so an update is `3 dense + 4 attention + 3 lora` of a 2M-row forward. 
 count (the algorithm as PEFT runs it); flowrl_jax merges the adapters into the kernels at these widths
 (`mmdit.merge_lora_in_forward`) and so does more arithmetic than counted. The machine's limit is a float32
 `jnp.dot` of two 2048 x 2048 matrices (and torch's `@`), timed in the same run.
-Writes benchmarks/results/compare_torch.json.
+`--device cuda` puts the torch side on the GPU (`torch.set_default_device`; jax uses its default backend) and
+`--bf16` runs both DiTs in bfloat16: ours with `dtype=bfloat16` (float32 params, norms and log-probs), torch under
+`torch.autocast(bfloat16)`; the peak is then a bf16 matmul. Writes benchmarks/results/compare_torch.json (`--out`).
 """
 from __future__ import annotations
 
@@ -85,7 +88,8 @@ def random_base(preset: str, seed: int = 0, scale: float = 0.05):
     return pipe, params
 
 
-def build_pair(config, pipe, base: dict, compile_modes=("eager",), lora_b_scale: float = 0.0, seed: int = 0) -> Pair:
+def build_pair(config, pipe, base: dict, compile_modes=("eager",), lora_b_scale: float = 0.0, seed: int = 0,
+               autocast: bool = False) -> Pair:
     """`steps.Steps` for `config` on `base`, and a `TorchFlowGRPO` per compile mode with the same DiT weights and
     LoRA adapters (`lora_b_scale > 0` draws the adapters' `b`, zero at init, so the policy differs from the reference)."""
     mesh = parallel.make_mesh(config.mesh)
@@ -104,7 +108,8 @@ def build_pair(config, pipe, base: dict, compile_modes=("eager",), lora_b_scale:
     t, o = config.train, config.objective.grpo
     sides = {mode: tr.TorchFlowGRPO(tr.diffusers_model(pipe.dit, jax.device_get(base["dit"])), adapters, pipe.dit.lora_alpha,
                                     config.sampler.cfg, o.clip_range, o.beta, t.lr, t.weight_decay, t.grad_clip, t.ema_decay,
-                                    compile=mode == "compile", kl_form=o.kl_form, detach_uncond=o.detach_uncond, ema_every=t.ema_every)
+                                    compile=mode == "compile", kl_form=o.kl_form, detach_uncond=o.detach_uncond, ema_every=t.ema_every,
+                                    autocast=autocast)
              for mode in compile_modes}
     return Pair(config, mesh, pipe, world, steps, sides)
 
@@ -151,9 +156,9 @@ def torch_schedule(config):
 
 def torch_updates(pair: Pair, side, ro: dict, cond, null, reward: np.ndarray, it: int):
     """The same as `jax_updates` on the torch side (same advantages formula and minibatch order)."""
-    adv = tr.group_advantages(torch.from_numpy(reward.astype(np.float32)), pair.config.train.group_size,
+    adv = tr.group_advantages(tr.to_torch(reward), pair.config.train.group_size,
                               pair.config.advantage.global_std, pair.config.advantage.clip)
-    stats = [side.update(ro, adv, cond, null, torch.from_numpy(rows).long(), torch.from_numpy(slots).long(), torch.from_numpy(weight))
+    stats = [side.update(ro, adv, cond, null, tr.to_torch(rows).long(), tr.to_torch(slots).long(), tr.to_torch(weight))
              for rows, slots, weight in minibatch_order(pair, it)]
     return adv, stats
 
@@ -179,24 +184,32 @@ def time_torch_iteration(pair: Pair, side, reward_fn, it: int) -> dict:
                                  pair.pipe.null_condition(pair.steps.frozen["text"], pair.batch))
     sigmas, levels = torch_schedule(pair.config)
     shape = (pair.batch, pair.pipe.dit.in_channels, pair.pipe.dit.sample_size, pair.pipe.dit.sample_size)
-    gen = torch.Generator().manual_seed(it)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(it)
     t0 = time.perf_counter()
     x_T = torch.randn((pair.batch // t.group_size,) + shape[1:], generator=gen).repeat_interleave(t.group_size, 0)
     ro = side.rollout(x_T, torch.randn((s.num_steps,) + shape, generator=gen), cond, null, sigmas, levels)
     t1 = time.perf_counter()
-    images = ro["next_states"][:, -1].movedim(1, -1).numpy()
+    images = ro["next_states"][:, -1].movedim(1, -1).cpu().numpy()
     reward, _ = reward_fn(images, prompts)
     _, stats = torch_updates(pair, side, ro, cond, null, reward, it)
+    synchronize()
     t2 = time.perf_counter()
     return {"rollout_s": t1 - t0, "update_s": t2 - t1, "iteration_s": t2 - t0, "updates": len(stats)}
 
 
-def matmul_peak(n: int = 2048, repeats: int = 10) -> dict:
-    a, b = jax.random.normal(jax.random.PRNGKey(0), (n, n)), jax.random.normal(jax.random.PRNGKey(1), (n, n))
+def synchronize() -> None:
+    """Wait for torch's queued GPU work (a no-op on the CPU)."""
+    if torch.get_default_device().type == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_peak(n: int = 2048, repeats: int = 10, bf16: bool = False) -> dict:
+    dtype = jnp.bfloat16 if bf16 else jnp.float32
+    a, b = (jax.random.normal(jax.random.PRNGKey(i), (n, n), dtype) for i in (0, 1))
     dot = jax.jit(jnp.dot)
-    ta, tb = torch.randn(n, n), torch.randn(n, n)
+    ta, tb = (torch.randn(n, n, dtype=torch.bfloat16 if bf16 else torch.float32) for _ in range(2))
     out = {}
-    for name, fn in (("jax", lambda: dot(a, b).block_until_ready()), ("torch", lambda: ta @ tb)):
+    for name, fn in (("jax", lambda: dot(a, b).block_until_ready()), ("torch", lambda: (ta @ tb, synchronize()))):
         fn()
         times = []
         for _ in range(repeats):
@@ -220,15 +233,17 @@ def hand_flops(pair: Pair) -> dict:
             "update": (2 + beta) * upd["dense"] + (3 + beta) * upd["attention"] + 3 * upd["lora"]}
 
 
-def run_setup(name: str, repeats: int, compile_torch: bool) -> dict:
+def run_setup(name: str, repeats: int, compile_torch: bool, bf16: bool = False) -> dict:
     spec = SETUPS[name]
     config = config_lib.embedded_train_config()
     for key, value in spec["fields"].items():
         section, field = key.split(".")
         config[section][field] = value
     pipe, base = assets.load_pipeline(spec["base"])[:2] if "base" in spec else random_base(spec["preset"])
+    if bf16:
+        pipe = dataclasses.replace(pipe, dit=pipe.dit.clone(dtype=jnp.bfloat16))
     modes = ("eager", "compile") if compile_torch else ("eager",)
-    pair = build_pair(config, pipe, base, modes)
+    pair = build_pair(config, pipe, base, modes, autocast=bf16)
     reward_fn = rewards.build(config.train.rewards)
     runs = {"flowrl_jax": lambda it: time_jax_iteration(pair, reward_fn, it),
             **{f"torch_{m}": (lambda it, side=pair.torch_sides[m]: time_torch_iteration(pair, side, reward_fn, it)) for m in modes}}
@@ -253,7 +268,7 @@ def run_setup(name: str, repeats: int, compile_torch: bool) -> dict:
 
 
 def table(results: list[dict], peak: dict) -> str:
-    lines = [f"matmul peak (float32 2048^2 dot): jax {peak['jax_gflop_s']:.0f} GFLOP/s, torch {peak['torch_gflop_s']:.0f} GFLOP/s",
+    lines = [f"matmul peak (2048^2 dot in the run's dtype): jax {peak['jax_gflop_s']:.0f} GFLOP/s, torch {peak['torch_gflop_s']:.0f} GFLOP/s",
              f"{'setup':10s} {'side':14s} {'rollout img/s':>13s} {'update pairs/s':>14s} {'iteration s':>11s} {'compile s':>9s} "
              f"{'rollout GF/s':>12s} {'update GF/s':>11s} {'upd % peak':>10s} {'speedup (iter)':>14s}"]
     for res in results:
@@ -272,14 +287,18 @@ def main() -> None:
     parser.add_argument("--setups", default="quickstart,medium")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile side")
+    parser.add_argument("--device", default="cpu", help="torch's device: cpu or cuda")
+    parser.add_argument("--bf16", action="store_true", help="both DiTs in bfloat16 (ours: dtype; torch: autocast)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "compare_torch.json"))
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count())
-    peak = matmul_peak()
-    results = [run_setup(name, args.repeats, not args.no_compile) for name in args.setups.split(",")]
+    torch.set_default_device(args.device)
+    peak = matmul_peak(bf16=args.bf16)
+    results = [run_setup(name, args.repeats, not args.no_compile, args.bf16) for name in args.setups.split(",")]
     print(table(results, peak))
     env = dict(jax=jax.__version__, torch=torch.__version__, backend=jax.default_backend(), devices=jax.device_count(),
-               cpu_count=os.cpu_count(), machine=platform.machine(), xla_flags=os.environ.get("XLA_FLAGS", ""))
+               cpu_count=os.cpu_count(), machine=platform.machine(), xla_flags=os.environ.get("XLA_FLAGS", ""),
+               torch_device=args.device, bf16=args.bf16)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"env": env, "matmul_peak": peak, "results": results}, f, indent=2)

@@ -6,7 +6,10 @@ plan; then the quickstart's iteration time on the same machine.
     python benchmarks/gpu_real_size.py                       # one GPU: plan "gpu", 2 prompts x 24 rows
     python benchmarks/gpu_real_size.py --tiny --quickstart_iterations 0   # toy shapes: checks the script anywhere
 
-Rates come from the median of `--repeats` calls after a compiling one. Peak memory is the device's
+Rates come from the median of `--repeats` calls after a compiling one. The update's MFU is its hand-counted FLOPs
+(`models/flops.py`: the policy's CFG-pair forward and backward and the KL reference's forward, as compare_torch.py
+counts them) per second over the chip's bf16 peak (`--peak_tflops`, default from the device kind; 0: not computed).
+`--attention cudnn` runs the DiT with cuDNN flash attention (`world.attention`). Peak memory is the device's
 `peak_bytes_in_use` (XLA's allocator), the plan's figure is this backend's `memory_analysis` of the same compiled
 functions (live weights and state + the stored rollout + the phase's temp). Prints a table, writes JSON.
 """
@@ -28,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from memory_plan import GB, build_job, target_config  # noqa: E402
 
 from flowrl_jax import metrics  # noqa: E402
+from flowrl_jax.models import flops  # noqa: E402
 from flowrl_jax.steps import minibatches  # noqa: E402
 
 # A toy pipeline of the same structure (tests/test_sd3.py's sizes): the script end to end on a CPU in a minute.
@@ -46,6 +50,24 @@ TINY_COMPONENTS = {
                 shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False),
 }
 TINY_FIELDS = {"resolution": 16, "clip_max_length": 12, "t5_max_length": 10}
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}  # dense, vendors' spec sheets
+
+
+def update_flops(job) -> float:
+    """Hand FLOPs of one update (module doc): 3 dense + 4 attention + 3 LoRA of a forward on 2 x pairs rows (CFG),
+    plus the KL reference's forward (dense + attention) when beta > 0."""
+    dit = job.rollout_args[1]["dit"]
+    model, w = job.model, job.config.world
+    side = w.resolution // 8
+    text = w.clip_max_length + w.t5_max_length
+    parts = flops.forward_flop_parts(model, dit, 2 * job.pairs, side, side, text, job.state.params)
+    beta = job.config.objective.grpo.beta > 0
+    return (2 + beta) * parts["dense"] + (3 + beta) * parts["attention"] + 3 * parts["lora"]
+
+
+def default_peak_tflops() -> float:
+    kind = str(jax.devices()[0].device_kind)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in kind), 0.0)
 
 
 def _timed(fn, repeats: int) -> tuple[float, object]:
@@ -65,6 +87,7 @@ def _peak_bytes() -> int | None:
 
 def measure(args) -> dict:
     config, plan = target_config(args.plan, args.prompts)
+    config.world.attention = args.attention
     if args.tiny:
         config.world.update(TINY_FIELDS)
         config.train.update(group_size=4, rollout_chunk=4, microbatch=4)
@@ -92,11 +115,15 @@ def measure(args) -> dict:
 
     update_s, _ = _timed(one_update, args.repeats)
     planned = {n: c.memory_analysis() for n, c in compiled.items()}
+    peak_tflops = default_peak_tflops() if args.peak_tflops is None else args.peak_tflops
+    upd_flops = update_flops(job)
     return {"device": str(jax.devices()[0].device_kind), "devices": len(devices), "plan": args.plan, "tiny": args.tiny,
             "rows": job.batch, "pairs_per_update": job.pairs, "compile_s": compile_s,
             "rollout_s": rollout_s, "rollout_images_per_s": job.batch / rollout_s,
             "decode_s": decode_s, "decode_images_per_s": job.batch / decode_s,
-            "update_s": update_s, "update_pairs_per_s": job.pairs / update_s,
+            "update_s": update_s, "update_pairs_per_s": job.pairs / update_s, "attention": args.attention,
+            "update_tflops": upd_flops / 1e12, "update_tflop_s": upd_flops / update_s / 1e12, "peak_tflops": peak_tflops,
+            "update_mfu": upd_flops / update_s / 1e12 / peak_tflops if peak_tflops else None,
             "peak_bytes_in_use": _peak_bytes(),
             "planned_temp_bytes": {n: m.temp_size_in_bytes for n, m in planned.items()},
             "weights_and_state_bytes": job.sizes["frozen"] + job.sizes["state"]}
@@ -119,6 +146,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2, help="prompts per iteration (x 24 rows)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="toy components and shapes (a check of the script)")
+    parser.add_argument("--attention", default="xla", help="world.attention: xla, cudnn (GPU), splash (TPU)")
+    parser.add_argument("--peak_tflops", type=float, default=None, help="the chip's bf16 peak (default: by device kind)")
     parser.add_argument("--quickstart_iterations", type=int, default=6, help="0: skip the quickstart timing")
     parser.add_argument("--out", default="benchmarks/results/gpu_real_size.json")
     args = parser.parse_args()
@@ -131,7 +160,8 @@ def main() -> None:
     print(f"{'phase':8s} {'s':>8s} {'per s':>12s}")
     print(f"{'rollout':8s} {result['rollout_s']:8.2f} {result['rollout_images_per_s']:8.2f} img")
     print(f"{'decode':8s} {result['decode_s']:8.2f} {result['decode_images_per_s']:8.2f} img")
-    print(f"{'update':8s} {result['update_s']:8.2f} {result['update_pairs_per_s']:8.2f} pairs")
+    print(f"{'update':8s} {result['update_s']:8.2f} {result['update_pairs_per_s']:8.2f} pairs, {result['update_tflop_s']:.1f} TFLOP/s"
+          + (f", MFU {100 * result['update_mfu']:.1f}% of {result['peak_tflops']:.0f}" if result["update_mfu"] else ""))
     print(f"peak memory {peak / GB if peak else float('nan'):.1f} GB; weights + state {result['weights_and_state_bytes'] / GB:.1f} GB; "
           "planned temp " + ", ".join(f"{n} {b / GB:.1f}" for n, b in result["planned_temp_bytes"].items()) + " GB")
     if "quickstart" in result:

@@ -171,7 +171,7 @@ def build_job(config, devices, components: dict = SD35_MEDIUM) -> SimpleNamespac
     update_fn = jax.jit(make_update_fn(policy, objective, options, optimizer, config, reward_apply, data_sh),
                         out_shardings=(state_sh, None), donate_argnums=0)
     return SimpleNamespace(
-        config=config, mesh=mesh, batch=batch, pairs=pairs, slots=slots, rollout=rollout_fn, decode=jax.jit(world.decode_rows),
+        config=config, mesh=mesh, model=pipe.dit, batch=batch, pairs=pairs, slots=slots, rollout=rollout_fn, decode=jax.jit(world.decode_rows),
         update=update_fn, frozen=frozen_abs, state=state_abs, data=data,
         rollout_args=(state_abs.params, frozen_abs, ids, mask, key), decode_args=(frozen_abs["vae"], final),
         update_args=(state_abs, frozen_abs, data, index(jnp.int32), index(jnp.int32), index(jnp.float32)),

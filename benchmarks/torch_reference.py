@@ -27,7 +27,8 @@ LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", 
 
 
 def to_torch(x) -> torch.Tensor:
-    return torch.from_numpy(np.array(x, np.float32))
+    """float32, on torch's default device (`torch.set_default_device("cuda")` for a GPU run)."""
+    return torch.from_numpy(np.array(x, np.float32)).to(torch.get_default_device())
 
 
 def nchw(x) -> torch.Tensor:
@@ -116,14 +117,14 @@ class TorchFlowGRPO:
 
     def __init__(self, model, adapters: dict, lora_alpha: float, cfg: float, clip_range: float, beta: float, lr: float,
                  weight_decay: float = 1e-4, grad_clip: float = 1.0, ema_decay: float = 0.9, compile: bool = False,
-                 kl_form: str = "flow_grpo", detach_uncond: bool = True, ema_every: int = 1):
+                 kl_form: str = "flow_grpo", detach_uncond: bool = True, ema_every: int = 1, autocast: bool = False):
         self.model = model
         self.lora = add_lora(model, adapters, lora_alpha)
         self.params = [p for layer in self.lora.values() for p in (layer.lora_A, layer.lora_B)]
         self.ema = [p.detach().clone() for p in self.params]
         self.updates = 0
         self.cfg, self.clip_range, self.beta, self.grad_clip, self.ema_decay = cfg, clip_range, beta, grad_clip, ema_decay
-        self.kl_form, self.detach_uncond, self.ema_every = kl_form, detach_uncond, ema_every
+        self.kl_form, self.detach_uncond, self.ema_every, self.autocast = kl_form, detach_uncond, ema_every, autocast
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
         self.dit = torch.compile(model) if compile else model
 
@@ -133,15 +134,16 @@ class TorchFlowGRPO:
 
     def adapters(self) -> dict[str, np.ndarray]:
         """The current adapters in our layout, flat: {'transformer_blocks_0/attn/to_q/a': [in, r], '.../b': [r, out]}."""
-        return {f"{path}/{k}": w.detach().numpy().T for path, layer in self.lora.items()
+        return {f"{path}/{k}": w.detach().cpu().numpy().T for path, layer in self.lora.items()
                 for k, w in (("a", layer.lora_A), ("b", layer.lora_B))}
 
     def velocity(self, x, sigma, cond, null, detach_uncond: bool = False):
         """CFG velocity, both branches in one doubled batch; x [M, C, H, W], sigma [M], cond/null (tokens, pooled);
         `detach_uncond`: no gradient through the unconditional branch (Flow-GRPO's training forward)."""
         both = [torch.cat([c, u]) for c, u in zip(cond, null)]
-        out = self.dit(hidden_states=torch.cat([x, x]), encoder_hidden_states=both[0], pooled_projections=both[1],
-                       timestep=1000 * torch.cat([sigma, sigma]), return_dict=False)[0]
+        with torch.autocast(x.device.type, torch.bfloat16, enabled=self.autocast):  # `autocast`: the DiT in bf16
+            out = self.dit(hidden_states=torch.cat([x, x]), encoder_hidden_states=both[0], pooled_projections=both[1],
+                           timestep=1000 * torch.cat([sigma, sigma]), return_dict=False)[0].float()
         v_cond, v_null = out.chunk(2)
         if detach_uncond:
             v_null = v_null.detach()
