@@ -1,5 +1,6 @@
 """The entry point: job dispatch, and one-line errors for config mistakes."""
 import json
+import os
 import subprocess
 import sys
 
@@ -93,3 +94,14 @@ def test_distributed_switch_that_is_no_boolean_is_one_line():
     result = _run_cli("--config", "configs/inspect_mmdit.py:tiny", "--config.distributed=maybe")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "config.distributed='maybe'" in _error_lines(result.stderr)[0]
+
+
+def test_compilation_cache_setting_names_the_folder():
+    """`config.compilation_cache`: "auto" is the workdir's compilation_cache (a user cache without a workdir), a
+    folder is itself, "none" and "" are off."""
+    from flowrl_jax import compiler
+
+    assert compiler.cache_dir("auto", "/runs/a") == os.path.join("/runs/a", "compilation_cache")
+    assert compiler.cache_dir("auto", None) == os.path.expanduser(compiler.DEFAULT_CACHE)
+    assert compiler.cache_dir("gs://bucket/cache", "/runs/a") == "gs://bucket/cache"
+    assert compiler.cache_dir("none", "/runs/a") is None and compiler.cache_dir("", "/runs/a") is None
