@@ -8,7 +8,8 @@ runs one iteration to compile, then traces `--iterations` more (rollout, exact r
 events (`hlo_module`, `hlo_op`) are summed per program (the rollout, the update, ...) and per op kind: the op's name
 without its `.N` suffix (`loop_multiply_fusion`, `input_reduce_fusion`, `ynn_fusion`, `dot`, `wrapped_reduce-window`,
 ...), so a table says which kinds of XLA:CPU kernels take the time. Events run on several threads at once, so the
-per-op sums can exceed the wall time. Writes benchmarks/results/profile_step_<setup>.json (`--out`); the raw trace
+per-op sums can exceed the wall time; and XLA:CPU's dot events seem to end at dispatch (the medium update's idle gaps,
+two thirds of its wall time, sit mostly after them), so matmuls are undercounted there. Writes benchmarks/results/profile_step_<setup>.json (`--out`); the raw trace
 stays in `--trace_dir` for Perfetto (ui.perfetto.dev).
 """
 from __future__ import annotations
