@@ -4,7 +4,7 @@
 
 Timing: `shapes_eval.evaluate` (detection, scoring and the per-image detection lists) on a batch of
 rendered scenes, prompts cycling over all six categories, median of `--repeats` calls after a warm-up,
-at 32x32 and 64x64. Validation: `shapes_eval.validate(--validate)` per category (strict accuracy on the
+at 32x32 and 64x64, clean and with pixel noise of std `--noise` (like a model's samples: no background pixel). Validation: `shapes_eval.validate(--validate)` per category (strict accuracy on the
 scene's own prompt, rejection of a near-miss prompt), clean and with pixel noise of std 0.1 (in [-1, 1]).
 Writes benchmarks/results/shapes_eval.json.
 """
@@ -23,10 +23,14 @@ from flowrl_jax.data import shapes
 from flowrl_jax.rewards import shapes_eval
 
 
-def time_evaluate(batch: int, size: int, repeats: int) -> dict:
+def time_evaluate(batch: int, size: int, repeats: int, noise: float = 0.0) -> dict:
+    """Median seconds of `evaluate` on `batch` rendered scenes, plus Gaussian pixel noise of std `noise` (a model's
+    samples have no pixel exactly of the background colour, which the evaluator otherwise skips)."""
     pool = [s for c in shapes.CATEGORIES for s in shapes.all_specs(c)]
     specs = [pool[i % len(pool)] for i in range(batch)]
-    images = shapes.render_batch(specs, np.random.default_rng(0), size)
+    rng = np.random.default_rng(0)
+    images = shapes.render_batch(specs, rng, size)
+    images = images + noise * rng.standard_normal(images.shape).astype(np.float32)
     shapes_eval.evaluate(images, specs)
     times = []
     for _ in range(repeats):
@@ -34,7 +38,7 @@ def time_evaluate(batch: int, size: int, repeats: int) -> dict:
         out = shapes_eval.evaluate(images, specs)
         times.append(time.perf_counter() - t0)
     seconds = statistics.median(times)
-    return dict(size=size, batch=batch, seconds=seconds, images_per_s=batch / seconds,
+    return dict(size=size, batch=batch, noise=noise, seconds=seconds, images_per_s=batch / seconds,
                 strict_mean=float(out["strict"].mean()))
 
 
@@ -47,10 +51,10 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "shapes_eval.json"))
     args = parser.parse_args()
 
-    timing = [time_evaluate(args.batch, size, args.repeats) for size in (32, 64)]
-    print(f"{'size':>5s} {'batch':>6s} {'evaluate s':>11s} {'us/image':>9s} {'images/s':>9s} {'strict':>7s}")
+    timing = [time_evaluate(args.batch, size, args.repeats, noise) for noise in (0.0, args.noise) for size in (32, 64)]
+    print(f"{'size':>5s} {'noise':>6s} {'batch':>6s} {'evaluate s':>11s} {'us/image':>9s} {'images/s':>9s} {'strict':>7s}")
     for r in timing:
-        print(f"{r['size']:5d} {r['batch']:6d} {r['seconds']:11.3f} {1e6 * r['seconds'] / r['batch']:9.1f}"
+        print(f"{r['size']:5d} {r['noise']:6.2f} {r['batch']:6d} {r['seconds']:11.3f} {1e6 * r['seconds'] / r['batch']:9.1f}"
               f" {r['images_per_s']:9.0f} {r['strict_mean']:7.3f}")
 
     t0 = time.perf_counter()
