@@ -89,7 +89,7 @@ class SD3World:
         w = self.world_cfg
         self.pipe, params = load_sd3_pipeline(w.pipeline, dtype=jnp.dtype(w.dtype), param_dtype=jnp.dtype(w.param_dtype),
                                               clip_max_length=w.clip_max_length, t5_max_length=w.t5_max_length, remat=w.remat,
-                                              attention=w.attention, scan_blocks=w.scan_blocks)
+                                              attention=w.get("attention", "xla"), scan_blocks=w.get("scan_blocks", "auto"))
         self.latent_shape(1)  # the resolution fits the VAE and the patch size (ValueError otherwise)
         self._vae = params["vae"]  # host; the latent reward model decodes with it (`reward_model`)
         self._rows = parallel.batch_sharding(parallel.make_mesh(self.config.mesh))

@@ -49,7 +49,8 @@ class ShapesWorld:
 
     def __init__(self, config, loaded=None):
         w, self.eval_cfg = config.world, config.eval
-        self.loaded, self.dit_fields = loaded, dict(scan_blocks=w.scan_blocks, attention=w.attention)
+        self.loaded = loaded
+        self.dit_fields = dict(scan_blocks=w.get("scan_blocks", "auto"), attention=w.get("attention", "xla"))
         self.base, self.reward_models = w.base, w.reward_models
         self.train_prompts = load_prompt_set(w.train_prompts, "train")
         test = load_prompt_set(w.test_prompts, "test")
