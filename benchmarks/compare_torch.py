@@ -20,11 +20,9 @@ condition from our (frozen) text encoder.
   images and 6 steps.
 
 FLOPs are the hand count of `flowrl_jax/models/flops.py` (dense, attention, unmerged LoRA), per call:
-rollout = T x forward(2B rows); an update on M pairs = the policy's forward(2M) + its backward + the KL
-reference's forward(2M) without adapters. With the base weights frozen the backward computes input gradients
-only: dense x 1, attention x 2 (the two products' two operand gradients), LoRA x 2 (its inputs and its
-weights), so an update is `3 dense + 4 attention + 3 lora` of a 2M-row forward. Both sides are charged this
-count (the algorithm as PEFT runs it); flowrl_jax merges the adapters into the kernels at these widths
+rollout = T x forward(2B rows); an update on M pairs = `flops.lora_update_flops` (the policy's forward(2M) + its
+backward, input gradients only, + the KL reference's forward(2M) without adapters: `3 dense + 4 attention + 3 lora`
+of a 2M-row forward). Both sides are charged this count (the algorithm as PEFT runs it); flowrl_jax merges the adapters into the kernels at these widths
 (`mmdit.merge_lora_in_forward`) and so does more arithmetic than counted. The machine's limit is a float32
 `jnp.dot` of two 2048 x 2048 matrices (and torch's `@`), timed in the same run.
 `--device cuda` puts the torch side on the GPU (`torch.set_default_device`; jax uses its default backend) and
@@ -158,7 +156,7 @@ def torch_updates(pair: Pair, side, ro: dict, cond, null, reward: np.ndarray, it
     """The same as `jax_updates` on the torch side (same advantages formula and minibatch order)."""
     adv = tr.group_advantages(tr.to_torch(reward), pair.config.train.group_size,
                               pair.config.advantage.global_std, pair.config.advantage.clip)
-    stats = [side.update(ro, adv, cond, null, tr.to_torch(rows).long(), tr.to_torch(slots).long(), tr.to_torch(weight))
+    stats = [side.update(ro, adv, cond, null, tr.to_torch(rows, np.int64), tr.to_torch(slots, np.int64), tr.to_torch(weight))
              for rows, slots, weight in minibatch_order(pair, it)]
     return adv, stats
 
@@ -226,25 +224,27 @@ def hand_flops(pair: Pair) -> dict:
     params, adapters = pair.steps.frozen["dit"], pair.steps.state.params if pair.config.train.lora_rank else None
     text_len = pair.pipe.text.max_len
     size = dit.sample_size
-    roll = flops.forward_flop_parts(dit, params, 2 * pair.batch, size, size, text_len, adapters)
-    upd = flops.forward_flop_parts(dit, params, 2 * pair.steps.minibatch_size, size, size, text_len, adapters)
-    beta = pair.config.objective.grpo.beta > 0
-    return {"rollout": s.num_steps * sum(roll.values()),
-            "update": (2 + beta) * upd["dense"] + (3 + beta) * upd["attention"] + 3 * upd["lora"]}
+    roll = flops.forward_flops(dit, params, 2 * pair.batch, size, size, text_len, adapters)
+    kl = pair.config.objective.grpo.beta > 0
+    return {"rollout": s.num_steps * roll,
+            "update": flops.lora_update_flops(dit, params, pair.steps.minibatch_size, size, size, text_len, adapters, kl)}
 
 
-def run_setup(name: str, repeats: int, compile_torch: bool, bf16: bool = False) -> dict:
+def setup_pair(name: str, compile_modes=("eager",), bf16: bool = False, overrides: dict | None = None) -> tuple[Pair, object]:
+    """(the `Pair` of setup `name` with config `overrides` ({"world.scan_blocks": "always"}), its reward function)."""
     spec = SETUPS[name]
     config = config_lib.embedded_train_config()
-    for key, value in spec["fields"].items():
-        section, field = key.split(".")
-        config[section][field] = value
+    config.update_from_flattened_dict({**spec["fields"], **(overrides or {})})
     pipe, base = assets.load_pipeline(spec["base"])[:2] if "base" in spec else random_base(spec["preset"])
     if bf16:
         pipe = dataclasses.replace(pipe, dit=pipe.dit.clone(dtype=jnp.bfloat16))
+    return build_pair(config, pipe, base, compile_modes, autocast=bf16), rewards.build(config.train.rewards)
+
+
+def run_setup(name: str, repeats: int, compile_torch: bool, bf16: bool = False) -> dict:
     modes = ("eager", "compile") if compile_torch else ("eager",)
-    pair = build_pair(config, pipe, base, modes, autocast=bf16)
-    reward_fn = rewards.build(config.train.rewards)
+    pair, reward_fn = setup_pair(name, modes, bf16)
+    config = pair.config
     runs = {"flowrl_jax": lambda it: time_jax_iteration(pair, reward_fn, it),
             **{f"torch_{m}": (lambda it, side=pair.torch_sides[m]: time_torch_iteration(pair, side, reward_fn, it)) for m in modes}}
     times = {k: [] for k in runs}
@@ -255,7 +255,7 @@ def run_setup(name: str, repeats: int, compile_torch: bool, bf16: bool = False) 
     fl = hand_flops(pair)
     result = {"setup": name, "batch": pair.batch, "num_steps": config.sampler.num_steps, "trained_steps": len(pair.steps.slots),
               "minibatch_pairs": pair.steps.minibatch_size, "updates": times["flowrl_jax"][0]["updates"],
-              "params": int(sum(x.size for x in jax.tree_util.tree_leaves(base["dit"]))), "flops": fl, "sides": {}}
+              "params": int(sum(x.size for x in jax.tree_util.tree_leaves(pair.steps.frozen["dit"]))), "flops": fl, "sides": {}}
     for k, rows in times.items():
         med = {f: statistics.median(row[f] for row in rows[1:]) for f in ("rollout_s", "update_s", "iteration_s")}
         per_update = med["update_s"] / rows[1]["updates"]

@@ -44,12 +44,7 @@ def child(setup: str, cache: str, sets: dict) -> dict:
         sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
         import memory_plan
         config, plan = memory_plan.target_config(target, 48)
-        for key, value in fields.items():
-            node = config
-            *parents, leaf = key.split(".")
-            for part in parents:
-                node = node[part]
-            node[leaf] = value
+        config.update_from_flattened_dict(fields)
         t0 = time.perf_counter()
         job = memory_plan.build_job(config, jax.devices()[: plan["devices"]])
         out["build_s"] = time.perf_counter() - t0

@@ -54,15 +54,10 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
 
 
 def update_flops(job) -> float:
-    """Hand FLOPs of one update (module doc): 3 dense + 4 attention + 3 LoRA of a forward on 2 x pairs rows (CFG),
-    plus the KL reference's forward (dense + attention) when beta > 0."""
-    dit = job.rollout_args[1]["dit"]
-    model, w = job.model, job.config.world
-    side = w.resolution // 8
-    text = w.clip_max_length + w.t5_max_length
-    parts = flops.forward_flop_parts(model, dit, 2 * job.pairs, side, side, text, job.state.params)
-    beta = job.config.objective.grpo.beta > 0
-    return (2 + beta) * parts["dense"] + (3 + beta) * parts["attention"] + 3 * parts["lora"]
+    """Hand FLOPs of one update at the job's shapes (`flops.lora_update_flops`; latents are resolution / 8)."""
+    w, side = job.config.world, job.config.world.resolution // 8
+    return flops.lora_update_flops(job.model, job.frozen["dit"], job.pairs, side, side, w.clip_max_length + w.t5_max_length,
+                                   job.state.params, job.config.objective.grpo.beta > 0)
 
 
 def default_peak_tflops() -> float:

@@ -38,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from flowrl_jax import config_lib, credit as credit_lib, objectives, parallel  # noqa: E402
+from flowrl_jax import compiler, config_lib, credit as credit_lib, objectives, parallel  # noqa: E402
 from flowrl_jax.models import clip, clip_text, clip_vision  # noqa: E402
 from flowrl_jax.models.sd3 import SD35_MEDIUM, build_pipeline  # noqa: E402
 from flowrl_jax.rewards import device  # noqa: E402
@@ -333,7 +333,7 @@ def attention_memory(resolution: int = 1024, text_tokens: int = 77 + 256, chunk_
     lowered = jax.jit(attention.xla_attention).lower(spec, spec, spec)
     # XLA:CPU hands the whole attention to one YNNPACK fusion whose scratch memory_analysis does not count (temp
     # 0.04 GB: the heads-major copies alone); with those fusions off it materializes the buffers as XLA:TPU/GPU do.
-    stats = lowered.compile(compiler_options={"xla_cpu_experimental_ynn_fusion_type": ""}).memory_analysis()
+    stats = lowered.compile(compiler_options=compiler.backward_options()).memory_analysis()  # the YNNPACK-off options
     out["cross_check_1_row"] = {"xla_forward_xla_cpu_temp": stats.temp_size_in_bytes}
     for name in ("xla", "splash"):
         fn = getattr(attention, f"{name}_attention")

@@ -28,7 +28,7 @@ import jax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import compare_torch as ct  # noqa: E402
-from flowrl_jax import assets, config_lib, rewards  # noqa: E402
+from flowrl_jax import config_lib  # noqa: E402
 
 
 def op_kind(name: str) -> str:
@@ -59,14 +59,7 @@ def main() -> None:
     parser.add_argument("--trace_dir", default="/tmp/flowrl_jax_profile")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    spec = ct.SETUPS[args.setup]
-    config = config_lib.embedded_train_config()
-    for key, value in {**spec["fields"], **config_lib.parse_overrides(args.set)}.items():
-        section, field = key.split(".")
-        config[section][field] = value
-    pipe, base = assets.load_pipeline(spec["base"])[:2] if "base" in spec else ct.random_base(spec["preset"])
-    pair = ct.build_pair(config, pipe, base, compile_modes=())
-    reward_fn = rewards.build(config.train.rewards)
+    pair, reward_fn = ct.setup_pair(args.setup, compile_modes=(), overrides=config_lib.parse_overrides(args.set))
     ct.time_jax_iteration(pair, reward_fn, 0)  # compiles
     jax.profiler.start_trace(args.trace_dir, create_perfetto_trace=True)
     t0 = time.perf_counter()

@@ -26,9 +26,9 @@ from torch import nn
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
 
-def to_torch(x) -> torch.Tensor:
-    """float32, on torch's default device (`torch.set_default_device("cuda")` for a GPU run)."""
-    return torch.from_numpy(np.array(x, np.float32)).to(torch.get_default_device())
+def to_torch(x, dtype=np.float32) -> torch.Tensor:
+    """float32 (or `dtype`), on torch's default device (`torch.set_default_device("cuda")` for a GPU run)."""
+    return torch.from_numpy(np.array(x, dtype)).to(torch.get_default_device())
 
 
 def nchw(x) -> torch.Tensor:

@@ -8,7 +8,7 @@ acts on: image-stream layers (patch embedding, to_q/k/v/to_out, attn2, ff, proj_
 a dual block's image-only attention. An unmerged LoRA adapter (`a [in, r]`, `b [r, out]`) on a kernel
 adds `2 * rows * r * (in + out)`. Norms, activations and softmax are ignored (< 1%).
 A full training step (forward + backward) costs 3x the forward: the backward pass computes both the
-input and the weight gradient of every matmul (a LoRA update's count is in benchmarks/compare_torch.py).
+input and the weight gradient of every matmul; a LoRA update's count is `lora_update_flops`.
 """
 from __future__ import annotations
 
@@ -47,3 +47,13 @@ def _adapters(adapters):
 def forward_flops(model, params, batch: int, height: int, width: int, text_len: int, adapters=None) -> float:
     """Total FLOPs of one forward (`forward_flop_parts` summed)."""
     return sum(forward_flop_parts(model, params, batch, height, width, text_len, adapters).values())
+
+
+def lora_update_flops(model, params, pairs: int, height: int, width: int, text_len: int, adapters, kl: bool) -> float:
+    """FLOPs of one Flow-GRPO update on `pairs` (sample, step) pairs with frozen base weights and LoRA `adapters`: the
+    policy's CFG-pair forward (2 x pairs rows) and its backward, which computes input gradients only (dense x 1,
+    attention x 2: both products' two operands, LoRA x 2: its inputs and weights), plus with `kl` the reference's
+    forward without adapters: `(2 + kl) dense + (3 + kl) attention + 3 lora` of a forward on 2 x pairs rows. The count
+    PEFT's unmerged adapters run (`mmdit.merge_lora_in_forward` may merge them and do more arithmetic)."""
+    parts = forward_flop_parts(model, params, 2 * pairs, height, width, text_len, adapters)
+    return (2 + kl) * parts["dense"] + (3 + kl) * parts["attention"] + 3 * parts["lora"]

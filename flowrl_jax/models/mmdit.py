@@ -398,19 +398,14 @@ class MMDiT(nn.Module):
         kinds = [(i in tuple(self.dual_attention_layers), i == self.num_layers - 1) for i in range(self.num_layers)]
         block_kw = dict(dim=dim, heads=self.num_attention_heads, head_dim=self.attention_head_dim, qk_norm=self.qk_norm, dense=dense,
                         param_dtype=self.param_dtype, attention=self.attention)
-        if self.scans_blocks and not self.is_initializing():
-            for start, stop in block_runs(kinds):
-                if stop - start == 1:
-                    block_cls = nn.remat(JointBlock) if self.remat else JointBlock
-                    h, context = block_cls(dual_attention=kinds[start][0], context_pre_only=kinds[start][1],
-                                           name=f"transformer_blocks_{start}", **block_kw)(h, context, temb)
-                else:
-                    h, context = self._scanned_run(start, stop, kinds[start], block_kw, h, context, temb)
-        else:
-            block_cls = nn.remat(JointBlock) if self.remat else JointBlock
-            for i in range(self.num_layers):
-                h, context = block_cls(dual_attention=kinds[i][0], context_pre_only=kinds[i][1], name=f"transformer_blocks_{i}",
-                                       **block_kw)(h, context, temb)
+        block_cls = nn.remat(JointBlock) if self.remat else JointBlock
+        scan = self.scans_blocks and not self.is_initializing()
+        for start, stop in block_runs(kinds) if scan else [(i, i + 1) for i in range(self.num_layers)]:
+            if stop - start > 1:
+                h, context = self._scanned_run(start, stop, kinds[start], block_kw, h, context, temb)
+            else:
+                h, context = block_cls(dual_attention=kinds[start][0], context_pre_only=kinds[start][1],
+                                       name=f"transformer_blocks_{start}", **block_kw)(h, context, temb)
 
         scale, shift = Modulation(dim, 2, dense, name="norm_out")(temb)
         h = modulate(layer_norm(h), shift, scale)
