@@ -16,6 +16,7 @@ compares the blocks with their date left out.
 from __future__ import annotations
 
 import argparse
+import datetime
 import glob
 import json
 import math
@@ -37,24 +38,27 @@ GB, MIB = 1e9, 2**20
 # ----------------------------------------------------------------------------------------------------------------------
 # Sources: a results file (or folder) with its provenance
 
-def git_date(root: str, rel: str) -> str | None:
-    """`git log -1 --format=%cs -- rel` in `root`; None where git cannot say (no git, no repository, shallow, untracked)."""
+def _git(root: str, *args: str) -> str | None:
     try:
-        shallow = subprocess.run(["git", "-C", root, "rev-parse", "--is-shallow-repository"], capture_output=True,
-                                 text=True, timeout=20)
-        if shallow.returncode != 0 or shallow.stdout.strip() != "false":
-            return None
-        out = subprocess.run(["git", "-C", root, "log", "-1", "--format=%cs", "--", rel], capture_output=True,
-                             text=True, timeout=20)
+        out = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError):
         return None
-    if out.returncode != 0:
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_date(root: str, rel: str) -> str | None:
+    """`git log -1 --format=%cs -- rel` in `root`: the date of the last commit that touched `rel`; today's where `rel`
+    has changes not committed yet (a benchmark just rerun: the docs rendered now stay current once both are committed
+    today); None where git cannot say (no git, not a repository, a shallow clone)."""
+    if _git(root, "rev-parse", "--is-shallow-repository") != "false":
         return None
-    return out.stdout.strip() or None
+    if _git(root, "status", "--porcelain", "--", rel):
+        return datetime.date.today().isoformat()
+    return _git(root, "log", "-1", "--format=%cs", "--", rel) or None
 
 
 def git_available(root: str) -> bool:
-    return git_date(root, ".") is not None
+    return _git(root, "rev-parse", "--is-shallow-repository") == "false"
 
 
 @dataclass
