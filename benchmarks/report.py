@@ -709,12 +709,22 @@ def check(root: str = ROOT) -> list[str]:
 
 def update(root: str = ROOT) -> list[str]:
     """Rewrite every known block in place; the files that changed."""
+    dates = git_available(root)
+
+    def block(m):
+        name = m.group("name")
+        if name not in REPORTS:
+            return m.group(0)
+        body = render(name, root)
+        if not dates and _same(m.group("body"), body, False):
+            return m.group(0)  # without git the dates cannot be recomputed: a current block keeps its own
+        return f"<!-- report:{name} -->{body}<!-- /report:{name} -->"
+
     changed = []
     for path in doc_files(root):
         with open(path) as f:
             text = f.read()
-        new = BLOCK.sub(lambda m: m.group(0) if m.group("name") not in REPORTS else
-                        f"<!-- report:{m.group('name')} -->{render(m.group('name'), root)}<!-- /report:{m.group('name')} -->", text)
+        new = BLOCK.sub(block, text)
         if new != text:
             with open(path, "w") as f:
                 f.write(new)
