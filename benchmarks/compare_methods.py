@@ -3,7 +3,7 @@
     python benchmarks/compare_methods.py --methods flow_grpo,flow_grpo_null --seeds 0,1,2 [--budget_s 300]
     python benchmarks/compare_methods.py --report                  # only re-aggregate the runs already there
 
-Each entry of `ENTRIES` is a config (`configs/<method>.py`, all from `config_lib.embedded_train_config()`)
+Each entry of `ENTRIES` is a config (`configs/<method>.py`, all from `configs/common.py` embedded_train_config())
 plus overrides; `<name>_null` entries are the null control (advantages shuffled within each group,
 `advantage.null_control`): the same run with the expected policy gradient at zero, so learning can be
 told from drift. Every run trains for `train.time_budget_s = budget_s` of training wall time (evals and
@@ -93,7 +93,7 @@ def base_eval(args) -> dict:
         if saved["settings"] == eval_settings(args):
             return saved["eval"]
         raise SystemExit(f"{path} was evaluated with {saved['settings']}, not {eval_settings(args)}: use another --out")
-    from flowrl_jax import train
+    from flowrl_jax.jobs import train
 
     config = entry_config("flow_grpo", 0, args, eval_at_start=True)
     config.train.iterations = 0
@@ -105,7 +105,7 @@ def base_eval(args) -> dict:
 
 
 def run_one(name: str, seed: int, args) -> dict:
-    from flowrl_jax import train
+    from flowrl_jax.jobs import train
 
     workdir = os.path.join(args.workdir, f"{name}_seed{seed}")
     shutil.rmtree(workdir, ignore_errors=True)  # a fresh run, not a resume of an earlier one

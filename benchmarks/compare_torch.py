@@ -48,8 +48,10 @@ from ml_collections import ConfigDict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import torch_reference as tr  # noqa: E402
-from flowrl_jax import assets, config_lib, credit as credit_lib, parallel, pipeline, rewards, steps as steps_lib  # noqa: E402
-from flowrl_jax.worlds.shapes import ShapesWorld  # noqa: E402
+from flowrl_jax import credit as credit_lib, parallel, rewards
+from configs import common  # noqa: E402
+from flowrl_jax.worlds.shapes import assets, pipeline, ShapesWorld  # noqa: E402
+from flowrl_jax.rl import programs as steps_lib  # noqa: E402
 from flowrl_jax.models import flops  # noqa: E402
 from flowrl_jax.sampling import schedule  # noqa: E402
 
@@ -77,7 +79,7 @@ class Pair:
 def random_base(preset: str, seed: int = 0, scale: float = 0.05):
     """(pipe, {"dit", "text"}) of a random model: the init plus `scale` noise on every DiT weight (the
     init zeroes the adaLN and output layers, which would make the velocity 0)."""
-    cfg = ConfigDict({"model": config_lib.model_config(preset), "text": dict(max_len=10, width=128, depth=1, heads=4)})
+    cfg = ConfigDict({"model": common.model_config(preset), "text": dict(max_len=10, width=128, depth=1, heads=4)})
     pipe = pipeline.build_pipeline(cfg)
     params = pipeline.init_params(pipe, jax.random.PRNGKey(seed))
     leaves, treedef = jax.tree_util.tree_flatten(params["dit"])
@@ -233,7 +235,7 @@ def hand_flops(pair: Pair) -> dict:
 def setup_pair(name: str, compile_modes=("eager",), bf16: bool = False, overrides: dict | None = None) -> tuple[Pair, object]:
     """(the `Pair` of setup `name` with config `overrides` ({"world.scan_blocks": "always"}), its reward function)."""
     spec = SETUPS[name]
-    config = config_lib.embedded_train_config()
+    config = common.embedded_train_config()
     config.update_from_flattened_dict({**spec["fields"], **(overrides or {})})
     pipe, base = assets.load_pipeline(spec["base"])[:2] if "base" in spec else random_base(spec["preset"])
     if bf16:

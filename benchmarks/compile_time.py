@@ -5,7 +5,7 @@ JAX's persistent compilation cache.
     python benchmarks/compile_time.py --setups quickstart --set world.scan_blocks='"never"'   # this tree only
 
 Setups:
-- `sd35m_v6e8`: SD3.5-Medium's Flow-GRPO job on the v6e-8 memory plan (`config_lib.MEMORY_PLANS`: 8 simulated CPU
+- `sd35m_v6e8`: SD3.5-Medium's Flow-GRPO job on the v6e-8 memory plan (`configs/common.py` MEMORY_PLANS: 8 simulated CPU
   devices, FSDP, remat, bf16, 48 prompts x 24): the job's own jitted rollout (text encoders + the SDE sampler loop)
   and update, lowered on abstract sharded arguments (`memory_plan.build_job`, no weights) and compiled by XLA:CPU.
   Seconds to lower and to compile each.
@@ -57,7 +57,8 @@ def child(setup: str, cache: str, sets: dict) -> dict:
         return out
 
     import numpy as np
-    from flowrl_jax import config_lib, credit as credit_lib, parallel, steps as steps_lib, worlds
+    from flowrl_jax import config_lib, credit as credit_lib, parallel, worlds
+    from flowrl_jax.rl import programs as steps_lib
     config = config_lib.load_config(os.path.join("configs", "quickstart.py"), **fields)
     t_cfg = config.train
     mesh = parallel.make_mesh(config.mesh)

@@ -19,7 +19,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from flowrl_jax.config_lib import model_config
+from configs.common import model_config
 from flowrl_jax.models import build_mmdit, flops
 
 

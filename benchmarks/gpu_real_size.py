@@ -32,7 +32,7 @@ from memory_plan import GB, build_job, target_config  # noqa: E402
 
 from flowrl_jax import metrics  # noqa: E402
 from flowrl_jax.models import flops  # noqa: E402
-from flowrl_jax.steps import minibatches  # noqa: E402
+from flowrl_jax.rl.programs import minibatches  # noqa: E402
 
 # A toy pipeline of the same structure (tests/test_sd3.py's sizes): the script end to end on a CPU in a minute.
 TINY_COMPONENTS = {
@@ -137,7 +137,7 @@ def quickstart_iteration_s(iterations: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--plan", default="gpu", help="config_lib.MEMORY_PLANS entry (its device count is used)")
+    parser.add_argument("--plan", default="gpu", help="common.MEMORY_PLANS entry (its device count is used)")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per iteration (x 24 rows)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="toy components and shapes (a check of the script)")

@@ -35,8 +35,8 @@ from jax.flatten_util import ravel_pytree
 
 from flowrl_jax import config_lib, credit as credit_lib, parallel, worlds
 from flowrl_jax.credit import group
-from flowrl_jax.policy import policy_fns
-from flowrl_jax.steps import Steps, sampler_levels
+from flowrl_jax.rl.policy import policy_fns
+from flowrl_jax.rl.programs import Steps, sampler_levels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

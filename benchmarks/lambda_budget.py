@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/lambda_budget")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = parser.parse_args()
-    from flowrl_jax import train
+    from flowrl_jax.jobs import train
 
     runs = {name: {} for name in RUNS}
     for seed in (int(s) for s in args.seeds.split(",")):

@@ -22,11 +22,11 @@ import platform
 import jax
 import jax.numpy as jnp
 
-from flowrl_jax.policy import PolicyFns
-from flowrl_jax.config_lib import model_config
+from flowrl_jax.rl.policy import PolicyFns
+from configs.common import model_config
 from flowrl_jax.models import build_mmdit
 from flowrl_jax.objectives import leap
-from flowrl_jax.rewards import learned
+from flowrl_jax.worlds.shapes import learned
 from flowrl_jax.sampling import schedule
 
 

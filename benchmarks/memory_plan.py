@@ -5,8 +5,8 @@ estimate beside it, and the largest number of prompts per iteration (groups of 2
     python benchmarks/memory_plan.py [--targets v5p-8,v6e-8,gpu,v5p-64,v6e-64] [--out benchmarks/results/memory_plan.json]
     python benchmarks/memory_plan.py --traffic      # the frozen DiT replicated or FSDP'd: memory and all-gathers, by hand
 
-Each target's plan is `config_lib.MEMORY_PLANS[target]` (mesh, rows sampled/decoded at a time, pairs per
-forward/backward, remat) applied to `config_lib.sd35m_train_config()`: bf16 compute with float32 params and
+Each target's plan is `common.MEMORY_PLANS[target]` (mesh, rows sampled/decoded at a time, pairs per
+forward/backward, remat) applied to `common.sd35m_train_config()`: bf16 compute with float32 params and
 log-probs, LoRA rank 32, the DiT and the three text encoders FSDP-sharded over every device. The functions are the
 train job's own (`steps.make_rollout_fn`, `make_update_fn`, `SD3World.decode_rows`), jitted with the job's shardings,
 lowered on `jax.ShapeDtypeStruct`s and compiled by XLA:CPU for the target's device count (up to 64 simulated CPU devices;
@@ -38,13 +38,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from flowrl_jax import compiler, config_lib, credit as credit_lib, objectives, parallel  # noqa: E402
+from flowrl_jax import compiler, credit as credit_lib, objectives, parallel
+
+from configs import common  # noqa: E402
 from flowrl_jax.models import clip, clip_text, clip_vision  # noqa: E402
-from flowrl_jax.models.sd3 import SD35_MEDIUM, build_pipeline  # noqa: E402
+from flowrl_jax.worlds.sd3.pipeline import SD35_MEDIUM, build_pipeline  # noqa: E402
 from flowrl_jax.rewards import device  # noqa: E402
 from reward_throughput import TOWERS  # noqa: E402  (benchmarks/: the reward towers' real shapes)
-from flowrl_jax.policy import Policy  # noqa: E402
-from flowrl_jax.steps import (initial_state, make_optimizer, make_rollout_fn, make_update_fn, minibatch_pairs,  # noqa: E402
+from flowrl_jax.rl.policy import Policy  # noqa: E402
+from flowrl_jax.rl.programs import (initial_state, make_optimizer, make_rollout_fn, make_update_fn, minibatch_pairs,  # noqa: E402
                               sampler_levels)
 from flowrl_jax.worlds.sd3 import SD3World  # noqa: E402
 
@@ -87,10 +89,10 @@ METHODS = ("grpo", "leapalign")  # Flow-GRPO (the presets), or LeapAlign on Pick
 
 
 def target_config(target: str, prompts: int, method: str = "grpo"):
-    config = config_lib.sd35m_train_config()
+    config = common.sd35m_train_config()
     config.unlock()
-    plan = config_lib.MEMORY_PLANS[target]
-    config_lib.apply_memory_plan(config, target)
+    plan = common.MEMORY_PLANS[target]
+    common.apply_memory_plan(config, target)
     config.train.prompts_per_iteration = prompts
     if method == "leapalign":  # its ODE rollout, PickScore through the VAE decoder as the differentiable reward
         config.objective.name = "leapalign"
@@ -274,7 +276,7 @@ def frozen_dit_traffic(target: str, prompts: int) -> dict:
 
 
 def print_traffic(prompts: int) -> dict:
-    out = {target: frozen_dit_traffic(target, prompts) for target in config_lib.MEMORY_PLANS}
+    out = {target: frozen_dit_traffic(target, prompts) for target in common.MEMORY_PLANS}
     print(f"the frozen SD3.5-M DiT per device, replicated or FSDP'd, at {prompts} prompts x 24 (hand count, GB):")
     print(f"{'target':8s} {'fsdp':>4s} {'dtype':>8s} {'replicated':>10s} {'FSDP':>6s} {'DiT calls':>9s} {'gathered/iter':>13s}  chosen")
     for target, r in out.items():
@@ -354,7 +356,7 @@ def attention_memory(resolution: int = 1024, text_tokens: int = 77 + 256, chunk_
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--targets", default=",".join(config_lib.MEMORY_PLANS))
+    parser.add_argument("--targets", default=",".join(common.MEMORY_PLANS))
     parser.add_argument("--check", action="store_true", help="also compile at the largest batch found (another compile per target)")
     parser.add_argument("--out", default="benchmarks/results/memory_plan.json")
     parser.add_argument("--traffic", action="store_true", help="only the frozen DiT's replicate-or-FSDP table (no compiling)")
@@ -368,7 +370,7 @@ def main() -> None:
         with open(os.path.join(os.path.dirname(args.out) or ".", "attention_memory.json"), "w") as f:
             json.dump(result, f, indent=2)
         return
-    base = config_lib.sd35m_train_config().train
+    base = common.sd35m_train_config().train
     if args.traffic:
         traffic = print_traffic(base.prompts_per_iteration)
         with open(os.path.join(os.path.dirname(args.out) or ".", "frozen_dit_traffic.json"), "w") as f:
@@ -380,7 +382,7 @@ def main() -> None:
         with open(args.out) as f:
             results = json.load(f)
     for target in args.targets.split(","):
-        plan = config_lib.MEMORY_PLANS[target]
+        plan = common.MEMORY_PLANS[target]
         t0 = time.time()
         low = compile_phases(target, base.prompts_per_iteration, method=args.method)
         native = native_bf16(low, compile_phases(target, base.prompts_per_iteration, float32=True, method=args.method))

@@ -23,7 +23,8 @@ import time
 import jax
 import numpy as np
 
-from flowrl_jax import credit as credit_lib, parallel, rewards, steps as steps_lib, worlds
+from flowrl_jax import credit as credit_lib, parallel, rewards, worlds
+from flowrl_jax.rl import programs as steps_lib
 
 
 def _median(fn, repeats: int) -> float:

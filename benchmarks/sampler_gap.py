@@ -5,7 +5,7 @@ ODE sampler's, from the same model, prompts and initial noise.
 
 For every kernel (`sde` Flow-GRPO, `cps` Flow-CPS, `lc` LC-GRPO) with the SDE on every step and on the
 embedded configs' window (the first two of 10 steps), rollouts as the train job makes them
-(`steps.make_rollout_fn`: 10 steps, CFG 3, shift 1) for `per_category` train prompts of each category x
+(`programs.make_rollout_fn`: 10 steps, CFG 3, shift 1) for `per_category` train prompts of each category x
 `group` images, scored by the exact evaluator; the gap is kernel minus ODE (negative: the training
 rollouts are worse samples than the policy's own ODE sampler). Prints a table, writes
 benchmarks/results/sampler_gap.json.
@@ -20,8 +20,11 @@ import platform
 import jax
 import numpy as np
 
-from flowrl_jax import config_lib, rewards, steps, worlds
-from flowrl_jax.policy import Policy
+from flowrl_jax import rewards, worlds
+
+from configs import common
+from flowrl_jax.rl import programs
+from flowrl_jax.rl.policy import Policy
 from flowrl_jax.data import shapes
 
 
@@ -35,7 +38,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args()
 
-    config = config_lib.embedded_train_config()
+    config = common.embedded_train_config()
     config.world.base = args.base
     world = worlds.build(config)
     dit, base = world.load()
@@ -46,10 +49,10 @@ def main() -> None:
     score_fn = rewards.build((("shapes_score", 1.0), ("shapes_strict", 0.0)))
 
     def rollout_reward(kind: str, window) -> dict:
-        config = config_lib.embedded_train_config()
+        config = common.embedded_train_config()
         config.sampler.update(kind=kind, sde_window=window, noise_level=args.noise_level, same_noise_per_group=False)
         config.train.group_size = args.group
-        fn = jax.jit(steps.make_rollout_fn(policy, world, config))
+        fn = jax.jit(programs.make_rollout_fn(policy, world, config))
         ro, _, _ = fn(base["dit"], base, ids, mask, jax.random.PRNGKey(args.seed))
         _, parts = score_fn(np.asarray(ro.final), rows)
         return {"score": float(parts["shapes_score"].mean()), "strict": float(parts["shapes_strict"].mean())}

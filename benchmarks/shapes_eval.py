@@ -1,12 +1,12 @@
 """Shapes-world evaluator: time per batch and the full validation against the renderer.
 
-    python benchmarks/shapes_eval.py [--batch 1000] [--repeats 5] [--validate 5000]
+    python benchmarks/evaluator.py [--batch 1000] [--repeats 5] [--validate 5000]
 
-Timing: `shapes_eval.evaluate` (detection, scoring and the per-image detection lists) on a batch of
+Timing: `evaluator.evaluate` (detection, scoring and the per-image detection lists) on a batch of
 rendered scenes, prompts cycling over all six categories, median of `--repeats` calls after a warm-up,
-at 32x32 and 64x64, clean and with pixel noise of std `--noise` (like a model's samples: no background pixel). Validation: `shapes_eval.validate(--validate)` per category (strict accuracy on the
+at 32x32 and 64x64, clean and with pixel noise of std `--noise` (like a model's samples: no background pixel). Validation: `evaluator.validate(--validate)` per category (strict accuracy on the
 scene's own prompt, rejection of a near-miss prompt), clean and with pixel noise of std 0.1 (in [-1, 1]).
-Writes benchmarks/results/shapes_eval.json.
+Writes benchmarks/results/evaluator.json.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from flowrl_jax.data import shapes
-from flowrl_jax.rewards import shapes_eval
+from flowrl_jax.worlds.shapes import evaluator
 
 
 def time_evaluate(batch: int, size: int, repeats: int, noise: float = 0.0) -> dict:
@@ -31,11 +31,11 @@ def time_evaluate(batch: int, size: int, repeats: int, noise: float = 0.0) -> di
     rng = np.random.default_rng(0)
     images = shapes.render_batch(specs, rng, size)
     images = images + noise * rng.standard_normal(images.shape).astype(np.float32)
-    shapes_eval.evaluate(images, specs)
+    evaluator.evaluate(images, specs)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        out = shapes_eval.evaluate(images, specs)
+        out = evaluator.evaluate(images, specs)
         times.append(time.perf_counter() - t0)
     seconds = statistics.median(times)
     return dict(size=size, batch=batch, noise=noise, seconds=seconds, images_per_s=batch / seconds,
@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--validate", type=int, default=5000, help="scenes per category")
     parser.add_argument("--noise", type=float, default=0.1)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "shapes_eval.json"))
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "evaluator.json"))
     args = parser.parse_args()
 
     timing = [time_evaluate(args.batch, size, args.repeats, noise) for noise in (0.0, args.noise) for size in (32, 64)]
@@ -58,8 +58,8 @@ def main() -> None:
               f" {r['images_per_s']:9.0f} {r['strict_mean']:7.3f}")
 
     t0 = time.perf_counter()
-    clean = shapes_eval.validate(args.validate, seed=0)
-    noisy = shapes_eval.validate(args.validate, seed=1, noise=args.noise)
+    clean = evaluator.validate(args.validate, seed=0)
+    noisy = evaluator.validate(args.validate, seed=1, noise=args.noise)
     print(f"\nvalidation, {args.validate} scenes per category ({time.perf_counter() - t0:.1f} s); "
           f"near miss = one shape, color, count or relation changed")
     print(f"{'category':14s} {'accept':>8s} {'reject':>8s} {'score own':>10s} {'score miss':>11s}"

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flowrl_jax.models.clip_text import CLIPTextEncoder
-from flowrl_jax.models.sd3 import SD35_MEDIUM
+from flowrl_jax.worlds.sd3.pipeline import SD35_MEDIUM
 from flowrl_jax.models.t5 import T5Encoder
 
 # SD3.5's text_encoder / text_encoder_2 / text_encoder_3 config.json values (the hyper-parameters that set the shapes).

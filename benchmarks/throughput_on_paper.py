@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from flowrl_jax.models import flops, presets
 from flowrl_jax.models.mmdit import MMDiT
-from flowrl_jax.models.sd3 import SD35_MEDIUM
+from flowrl_jax.worlds.sd3.pipeline import SD35_MEDIUM
 from flowrl_jax.models.vae import AutoencoderKL
 
 # Peak dense bf16 FLOP/s per chip, from the vendors' spec sheets.

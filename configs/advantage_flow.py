@@ -6,13 +6,13 @@ at `objective.timesteps` times per iteration; group advantages from the exact ev
 Flow-GRPO. The rollout-velocity anchor is the project's variant (WORKSPACE_NOTES.md);
 `objective.advantage_flow.regularizer="samples"` is SPEC's literal form (`(beta + A_i) ||v - (eps - x0)||^2`),
 which collapsed to blank images in all four settings tried (WORKSPACE_NOTES.md). Rollouts and the trained
-velocity use the sampler's CFG, as DiffusionNFT's config. Budget: `config_lib.embedded_train_config(ode_rollouts=True)`.
+velocity use the sampler's CFG, as DiffusionNFT's config. Budget: `common.embedded_train_config(ode_rollouts=True)`.
 """
-from flowrl_jax import config_lib
+from configs import common
 
 
 def get_config(arg: str = ""):
-    config = config_lib.embedded_train_config(ode_rollouts=True)
+    config = common.embedded_train_config(ode_rollouts=True)
     config.objective.name = "advantage_flow"  # options: config.objective.advantage_flow (objectives/advantage_flow.py)
     config.lock()
     return config

@@ -3,11 +3,11 @@
 Prints per-category and overall strict accuracy and partial score on `test.jsonl` (ODE sampler),
 writes eval.json and eval_grid.png to --workdir (default workdirs/eval).
 """
-from flowrl_jax import config_lib
+from configs import common
 
 
 def get_config(arg: str = ""):
-    config = config_lib.base_config("eval")
+    config = common.base_config("eval")
     config.eval = dict(checkpoint="shapes32", use_ema=True, split="test", max_prompts=0, samples_per_prompt=2,
                        batch_size=96, num_steps=20, cfg=3.0, shift=1.0)
     config.lock()

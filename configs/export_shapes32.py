@@ -3,11 +3,11 @@
 Measures the GenEval-style table of `export.workdir` (ODE, 20 steps, the tuned CFG) and writes
 `flowrl_jax/assets/<export.name>/` with it in MANIFEST.json.
 """
-from flowrl_jax import config_lib
+from configs import common
 
 
 def get_config(arg: str = ""):
-    config = config_lib.base_config("export")
+    config = common.base_config("export")
     config.export = dict(workdir="workdirs/pretrain_shapes32", name="shapes32", notes="",
                          eval=dict(samples_per_prompt=2, batch_size=96, num_steps=20, cfg=3.0, shift=1.0))
     config.lock()

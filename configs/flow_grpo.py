@@ -12,11 +12,11 @@ applied every 8 optimizer steps. Forced by the world (WORKSPACE_NOTES.md lists e
 shipped `shapes32` base, CFG 3 (its best eval setting; upstream 4.5), shift 1 (upstream 3), 8 prompts per
 iteration (upstream 48: 192 images here against 1,152), a 3,072-element pixel latent (upstream 65,536).
 """
-from flowrl_jax import config_lib
+from configs import common
 
 
 def get_config(arg: str = ""):
-    config = config_lib.train_config()
+    config = common.train_config()
     config.sampler.update(sde_window=(0, 9), same_noise_per_group=False)
     config.train.update(prompts_per_iteration=8, group_size=24, minibatches=2, lora_rank=32, lora_init="gaussian",
                         lr=3e-4, ema_decay=0.9, ema_every=8)

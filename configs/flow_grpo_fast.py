@@ -7,16 +7,16 @@ Each iteration draws an SDE window of 3 steps whose start is uniform in 0..2 (up
 run the ODE, and only the window's 3 steps are trained. Upstream's No-CFG path: CFG 1 in rollouts and training (one
 forward per step, no unconditional branch; `sampler.cfg=1`), the CPS kernel at noise level 0.8 with its published
 log-prob (`sampler.logprob_form="cps_compat"`), clip range 1e-5, no KL (beta 0), independent initial noise per image
-(`same_latent=False`). Differences, forced by the embedded budget (`config_lib.embedded_train_config()`): 8 prompts x 12
+(`same_latent=False`). Differences, forced by the embedded budget (`common.embedded_train_config()`): 8 prompts x 12
 per iteration (upstream 48 x 24), and one window per iteration for the whole batch (upstream draws one per sampling batch
 per GPU, so a group can mix windows); eval stays CFG 3 like every method's config, so `compare_methods.py` uses one eval
 (upstream evaluates its No-CFG model at CFG 1: `--config.eval.cfg=1`).
 """
-from flowrl_jax import config_lib
+from configs import common
 
 
 def get_config(arg: str = ""):
-    config = config_lib.embedded_train_config()
+    config = common.embedded_train_config()
     config.sampler.update(kind="cps", noise_level=0.8, logprob_form="cps_compat", cfg=1.0, sde_window=(0, 3),
                           same_noise_per_group=False)
     config.sampler.window.update(schedule="random", range=(0, 5))

@@ -3,13 +3,13 @@
 Flow-GRPO with Langevin-corrected transitions on the SDE window (Euler, then one Langevin step
 toward the marginal at the next sigma; two velocity calls per step). Any reverse-process config takes
 `--config.sampler.kind=lc` (or `cps`); `benchmarks/sampler_gap.py` measures each kernel's training
-rollouts against the ODE sampler. Budget: `config_lib.embedded_train_config()`.
+rollouts against the ODE sampler. Budget: `common.embedded_train_config()`.
 """
-from flowrl_jax import config_lib
+from configs import common
 
 
 def get_config(arg: str = ""):
-    config = config_lib.embedded_train_config()
+    config = common.embedded_train_config()
     config.sampler.kind = "lc"
     config.lock()
     return config

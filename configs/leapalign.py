@@ -3,13 +3,13 @@
 Direct gradients of the shipped learned reward (`shapes32_reward`) through two leaps of the policy's
 ODE trajectory (`gamma` scales the nested gradient, `tau` the leap weights); memory flat in the
 number of sampler steps (`benchmarks/memory.py`). The exact evaluator's score is still what the run
-logs and evaluates. Budget: `config_lib.embedded_train_config()`, with an ODE sampler.
+logs and evaluates. Budget: `common.embedded_train_config()`, with an ODE sampler.
 """
-from flowrl_jax import config_lib
+from configs import common
 
 
 def get_config(arg: str = ""):
-    config = config_lib.embedded_train_config(ode_rollouts=True)
+    config = common.embedded_train_config(ode_rollouts=True)
     config.objective.name = "leapalign"  # options: config.objective.leapalign (objectives/leap.py)
     config.lock()
     return config

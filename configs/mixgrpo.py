@@ -13,11 +13,11 @@ Upstream's lr is 1e-5 on the whole FLUX model; here LoRA rank 32 at 3e-4 like ev
 `int((T - last SDE step) * 0.4)` points, `rollout.tail_schedule`; the history's x0 feeding the solver), so fewer velocity
 calls per rollout.
 """
-from flowrl_jax import config_lib
+from configs import common
 
 
 def get_config(arg: str = ""):
-    config = config_lib.embedded_train_config()
+    config = common.embedded_train_config()
     config.sampler.update(sde_window=(0, 2), same_noise_per_group=True, noise_level=0.7)
     config.sampler.window.update(schedule="sliding", shift_every=8, stride=1, wrap=True)
     if arg == "flash":

@@ -10,13 +10,13 @@ optimizer steps, as their `global_step`).
 Eval keeps CFG 3, like every method's config, so the comparison uses one eval. The earlier setting is
 `--config.sampler.cfg=3 --config.objective.nft.times=midpoints --config.objective.nft.timesteps=4
 --config.objective.nft.beta_kl=0 --config.objective.nft.adv_clip_max=...` (that one also sets r's scale).
-Budget: `config_lib.embedded_train_config()`, with an ODE sampler (independent initial noise per image).
+Budget: `common.embedded_train_config()`, with an ODE sampler (independent initial noise per image).
 """
-from flowrl_jax import config_lib
+from configs import common
 
 
 def get_config(arg: str = ""):
-    config = config_lib.embedded_train_config(ode_rollouts=True)
+    config = common.embedded_train_config(ode_rollouts=True)
     config.objective.name = "nft"  # options: config.objective.nft (objectives/nft.py)
     config.sampler.cfg = 1.0  # CFG-free rollouts and training, as NVlabs' SD3 configs
     config.train.minibatches = 1  # one optimizer step per iteration, as NVlabs' SD3 geneval / pickscore configs

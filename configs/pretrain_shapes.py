@@ -5,13 +5,13 @@ Variants: "" (the 45-minute recipe: batch 32, lr 6e-4, 9,000 steps; 41 min on 2 
 recipe on 64x64 scenes: 256 tokens at patch 4) and "smoke" (a tiny model, a few steps: what the tests run).
 WORKSPACE_NOTES.md, "The shipped base model", has both runs' figures.
 """
-from flowrl_jax import config_lib
+from configs import common
 
 
 def get_config(arg: str = ""):
     smoke = arg == "smoke"
-    config = config_lib.base_config("pretrain")
-    config.model = config_lib.model_config("shapes32")
+    config = common.base_config("pretrain")
+    config.model = common.model_config("shapes32")
     config.text = dict(max_len=10, width=128, depth=2, heads=4)
     config.pretrain = dict(
         steps=9000, batch_size=32, lr=6e-4, warmup_steps=300, weight_decay=0.01, grad_clip=1.0, ema_decay=0.999,

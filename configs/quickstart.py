@@ -20,11 +20,11 @@ at lr 3e-4, the comparison's entry), and why (WORKSPACE_NOTES.md "The quickstart
 - no image-change diagnostic (`diagnostics.image_change_every=0`, ~20 s a job): its split into SDE-trained and
   untrained steps means nothing for an ODE objective.
 """
-from flowrl_jax import config_lib
+from configs import common
 
 
 def get_config(arg: str = ""):
-    config = config_lib.embedded_train_config(ode_rollouts=True)
+    config = common.embedded_train_config(ode_rollouts=True)
     config.objective.name = "leapalign"  # options: config.objective.leapalign (objectives/leap.py)
     config.objective.leapalign.update(beta_kl=3.0, detach_uncond=True)
     config.train.update(lora_rank=0, lr=1e-4, iterations=60, time_budget_s=420.0)

@@ -13,11 +13,11 @@ reward swapped for `aesthetic` (`rewards/device.py`: the MLP on the normalised C
 flow_grpo read for this port has no SD3 aesthetic config of its own. Without the weights the run trains on the JPEG
 compressibility and says so (`train.rewards_without_models`). The argument picks the memory plan (README "Memory plan").
 """
-from flowrl_jax import config_lib
+from configs import common
 
 
 def get_config(arg: str = ""):
-    config = config_lib.sd35m_train_config(rewards=(("aesthetic", 1.0),), beta=0.01, plan=arg or "v5p-8",
+    config = common.sd35m_train_config(rewards=(("aesthetic", 1.0),), beta=0.01, plan=arg or "v5p-8",
                                            rewards_without_models=(("jpeg_compressibility", 1.0),))
     config.lock()
     return config

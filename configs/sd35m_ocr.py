@@ -14,13 +14,13 @@ next samples (README "Rewards"):
     python -m flowrl_jax.rewards.serve --reward ocr --port 18090 &
     ... --config.train.rewards="(('remote:ocr@http://127.0.0.1:18090', 1.0),)" --config.train.score_while_sampling=True
 
-The argument picks the memory plan of the hardware (`config_lib.MEMORY_PLANS`: v5p-8 (default), v6e-8, gpu, v5p-64, v6e-64;
+The argument picks the memory plan of the hardware (`common.MEMORY_PLANS`: v5p-8 (default), v6e-8, gpu, v5p-64, v6e-64;
 README "Memory plan").
 """
-from flowrl_jax import config_lib
+from configs import common
 
 
 def get_config(arg: str = ""):
-    config = config_lib.sd35m_train_config(rewards=(("ocr", 1.0),), beta=0.04, plan=arg or "v5p-8")
+    config = common.sd35m_train_config(rewards=(("ocr", 1.0),), beta=0.04, plan=arg or "v5p-8")
     config.lock()
     return config

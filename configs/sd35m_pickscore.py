@@ -11,14 +11,14 @@
 The reward is PickScore on the device (`rewards/device.py`, flow_grpo's `exp(logit_scale) cos / 26`). Without
 `world.reward_models.pickscore` the run trains on the model-free JPEG compressibility instead and says so in a
 warning (`train.rewards_without_models`), so the preset runs anywhere.
-The argument picks the memory plan of the hardware (`config_lib.MEMORY_PLANS`: v5p-8 (default), v6e-8, gpu, v5p-64, v6e-64;
+The argument picks the memory plan of the hardware (`common.MEMORY_PLANS`: v5p-8 (default), v6e-8, gpu, v5p-64, v6e-64;
 README "Memory plan").
 """
-from flowrl_jax import config_lib
+from configs import common
 
 
 def get_config(arg: str = ""):
-    config = config_lib.sd35m_train_config(rewards=(("pickscore", 1.0),), beta=0.01, plan=arg or "v5p-8",
+    config = common.sd35m_train_config(rewards=(("pickscore", 1.0),), beta=0.01, plan=arg or "v5p-8",
                                            rewards_without_models=(("jpeg_compressibility", 1.0),))
     config.lock()
     return config

@@ -3,13 +3,13 @@
 
 Each trained step's advantage is the group-normalized gain `R(x0_hat_{t+1}) - R(x0_hat_t)` of the
 exact evaluator's score on the Tweedie estimates, in place of the trajectory's one advantage.
-Budget and sampler: `config_lib.embedded_train_config()`.
+Budget and sampler: `common.embedded_train_config()`.
 """
-from flowrl_jax import config_lib
+from configs import common
 
 
 def get_config(arg: str = ""):
-    config = config_lib.embedded_train_config()
+    config = common.embedded_train_config()
     config.credit.names = ("stepwise",)
     config.lock()
     return config

@@ -5,13 +5,13 @@ Incremental step rewards from ODE completions of every SDE-window state (one bat
 iteration), turning points by sign changes, the balanced bonus, per-step group normalization.
 Composes with spatial credit (none of the papers offers this):
 `--config.credit.names='("turning_point", "spatial")' --config.objective.grpo.ratio=token` (spatial's
-options: `config.credit.spatial`). Budget and sampler: `config_lib.embedded_train_config()`.
+options: `config.credit.spatial`). Budget and sampler: `common.embedded_train_config()`.
 """
-from flowrl_jax import config_lib
+from configs import common
 
 
 def get_config(arg: str = ""):
-    config = config_lib.embedded_train_config()
+    config = common.embedded_train_config()
     config.credit.names = ("turning_point",)
     config.lock()
     return config

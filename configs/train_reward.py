@@ -3,11 +3,11 @@
 Variant "smoke": a few steps on little data (what the tests run); `--config.reward.base` picks the
 base model whose samples join the data (a shipped name or a pretrain workdir).
 """
-from flowrl_jax import config_lib
+from configs import common
 
 
 def get_config(arg: str = ""):
-    config = config_lib.base_config("train_reward")
+    config = common.base_config("train_reward")
     config.reward = dict(base="shapes32", rendered=16000, generated_train=23040, generated_test=960, cfgs=(1.0, 1.5, 3.0, 5.0),
                          width=96, heads=4, steps=4000, batch_size=96, lr=1e-3, loss="bce", generated_fraction=0.5, export="",
                          relabel_fraction=0.5, flip_fraction=0.5, count_weight=0.1, palette_features=True,

@@ -19,12 +19,12 @@ from flowrl_jax.rewards.remote import RewardServerError
 
 # job name -> (module with run(config, workdir), fields it requires)
 JOBS = {
-    "inspect": ("flowrl_jax.inspect_model", ("model", "mesh", "seed", "inspect.batch_size", "inspect.text_len")),
-    "pretrain": ("flowrl_jax.pretrain", ("model", "text", "mesh", "seed", "pretrain.steps", "pretrain.batch_size")),
-    "train_reward": ("flowrl_jax.train_reward", ("seed", "reward.base", "reward.steps")),
-    "export": ("flowrl_jax.export", ("seed", "export.workdir", "export.name")),
-    "train": ("flowrl_jax.train", ("seed", "world.name", "sampler.kind", "train.iterations", "objective.name")),
-    "eval": ("flowrl_jax.evaluate", ("seed", "eval.checkpoint", "eval.split", "eval.num_steps")),
+    "inspect": ("flowrl_jax.jobs.inspect", ("model", "mesh", "seed", "inspect.batch_size", "inspect.text_len")),
+    "pretrain": ("flowrl_jax.jobs.pretrain", ("model", "text", "mesh", "seed", "pretrain.steps", "pretrain.batch_size")),
+    "train_reward": ("flowrl_jax.jobs.train_reward", ("seed", "reward.base", "reward.steps")),
+    "export": ("flowrl_jax.jobs.export", ("seed", "export.workdir", "export.name")),
+    "train": ("flowrl_jax.jobs.train", ("seed", "world.name", "sampler.kind", "train.iterations", "objective.name")),
+    "eval": ("flowrl_jax.jobs.evaluate", ("seed", "eval.checkpoint", "eval.split", "eval.num_steps")),
 }
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Python config file (get_config), optionally :variant.", lock_config=True)

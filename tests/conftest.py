@@ -22,7 +22,8 @@ jax.config.update("jax_disable_most_optimizations", True)
 import pytest  # noqa: E402
 
 from flowrl_jax.models import build_mmdit  # noqa: E402
-from flowrl_jax.config_lib import load_config, model_config  # noqa: E402,F401 (load_config: the tests' import)
+from configs.common import model_config  # noqa: E402
+from flowrl_jax.config_lib import load_config  # noqa: E402,F401 (load_config: the tests' import)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,8 @@ import numpy as np
 from aiohttp import web
 from PIL import Image
 
-from flowrl_jax.rewards import remote, shapes_eval
+from flowrl_jax.rewards import remote
+from flowrl_jax.worlds.shapes import evaluator
 
 
 class Hostile:
@@ -36,7 +37,7 @@ def make_app(log, malicious):
         if malicious:
             return web.Response(body=pickle.dumps({"scores": [Hostile(malicious)] * len(data["images"])}))
         images = np.stack([np.asarray(Image.open(io.BytesIO(b), formats=["JPEG"]).convert("RGB")) for b in data["images"]])
-        result = shapes_eval.evaluate(images.astype(np.float32) / 127.5 - 1.0, [m["spec"] for m in data["meta_datas"]])
+        result = evaluator.evaluate(images.astype(np.float32) / 127.5 - 1.0, [m["spec"] for m in data["meta_datas"]])
         if log:
             with open(log, "a") as f:
                 f.writelines(json.dumps(m) + "\n" for m in data["meta_datas"])

@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flowrl_jax import assets, evaluate, main
+from flowrl_jax import main
+from flowrl_jax.worlds.shapes import assets, geneval, learned, evaluator
 from flowrl_jax.data import shapes
 from flowrl_jax.models.text import tokenize
-from flowrl_jax.rewards import learned, shapes_eval
-from flowrl_jax.train_reward import pearson
+from flowrl_jax.jobs.train_reward import pearson
 from tests.conftest import load_config
 
 SHIPPED_DIR = assets.ASSET_DIR  # the smoke_asset fixture points assets.ASSET_DIR elsewhere while it lives
@@ -95,9 +95,9 @@ def test_shipped_base_model_samples_a_batch(shipped_dir):
     prompts = [p for p in shapes.load_prompts("test") if p["category"] == "colors"][:8]
     ids, mask = pipe.tokenize([p["prompt"] for p in prompts])
     cfg = info["manifest"]["test_eval_settings"]["cfg"]
-    images = np.asarray(evaluate.make_sampler(pipe, 20, cfg, 1.0)(params, jnp.asarray(ids), jnp.asarray(mask), jax.random.PRNGKey(0)))
+    images = np.asarray(geneval.make_sampler(pipe, 20, cfg, 1.0)(params, jnp.asarray(ids), jnp.asarray(mask), jax.random.PRNGKey(0)))
     assert images.shape == (8, 32, 32, 3) and np.isfinite(images).all()
-    detections = shapes_eval.evaluate(images, [p["spec"] for p in prompts])["detections"]
+    detections = evaluator.evaluate(images, [p["spec"] for p in prompts])["detections"]
     assert sum(any(d["shape"] for d in dets) for dets in detections) >= 5  # a trained model draws shapes
 
 
@@ -113,7 +113,7 @@ def test_learned_reward_tracks_the_exact_score_on_held_out_base_samples(shipped_
     held = np.load(os.path.join(shipped_dir, "shapes32_reward", "heldout.npz"))
     images = held["images"].astype(np.float32) / 127.5 - 1.0
     prompts = [str(p) for p in held["prompts"]]
-    exact = shapes_eval.evaluate(images, prompts)["score"]  # recomputed here, independently of training
+    exact = evaluator.evaluate(images, prompts)["score"]  # recomputed here, independently of training
     ids, mask = tokenize(tokenizer, prompts, reward.max_len)
     predicted = np.asarray(jax.jit(reward.apply)({"params": params}, images, ids, mask))
     for split, bar in BARS.items():

@@ -11,7 +11,7 @@ from flowrl_jax.credit import spatial, turning_point
 from flowrl_jax.data import curriculum
 from flowrl_jax.objectives import grpo
 from flowrl_jax.sampling import kernels, rollout, schedule
-from flowrl_jax.policy import PolicyFns
+from flowrl_jax.rl.policy import PolicyFns
 from tests.conftest import gaussian_velocity
 
 GROUPS = np.array([0, 0, 0, 1, 1, 1])

@@ -8,7 +8,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
-from flowrl_jax import rewards, train  # noqa: E402
+from flowrl_jax import rewards  # noqa: E402
+from flowrl_jax.jobs import train  # noqa: E402
 from flowrl_jax.config_lib import ConfigError  # noqa: E402
 from flowrl_jax.models import clip  # noqa: E402
 from flowrl_jax.rewards import device  # noqa: E402

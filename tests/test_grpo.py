@@ -11,8 +11,8 @@ from flowrl_jax import credit as credit_lib
 from flowrl_jax.credit import group
 from flowrl_jax.objectives import grpo
 from flowrl_jax.sampling import kernels, rollout, schedule
-from flowrl_jax.policy import PolicyFns
-from flowrl_jax.steps import minibatches
+from flowrl_jax.rl.policy import PolicyFns
+from flowrl_jax.rl.programs import minibatches
 from tests.conftest import gaussian_velocity
 
 

@@ -1,6 +1,7 @@
-"""The house's import rules (DESIGN.md "Rooms"): no import circles between flowrl_jax's modules, and the math
-rooms (sampling, credit, objectives, models) import no job, plotting or I/O module. Read from the source with
-`ast` (every import statement, at module level or inside a function), so the check needs no import."""
+"""The house's import rules (docs/design.md): no import circles between flowrl_jax's modules, every arrow points down
+the rooms' order (`ROOMS`: no infrastructure module imports a job, no model imports the RL loop, ...), no job imports
+another job, and the math rooms (sampling, credit, objectives, models) import no plotting or I/O module. Read from the
+source with `ast` (every import statement, at module level or inside a function), so the check needs no import."""
 import ast
 import os
 
@@ -8,8 +9,19 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "flowrl_jax")
 MATH_ROOMS = ("flowrl_jax.sampling", "flowrl_jax.credit", "flowrl_jax.objectives", "flowrl_jax.models")
-NOT_FOR_MATH = ("flowrl_jax.metrics", "flowrl_jax.train", "flowrl_jax.steps", "flowrl_jax.main", "flowrl_jax.assets",
-                "flowrl_jax.checkpoint", "flowrl_jax.evaluate", "flowrl_jax.pretrain", "matplotlib", "PIL", "tensorboardX")
+NOT_FOR_MATH = ("flowrl_jax.metrics", "flowrl_jax.checkpoint", "matplotlib", "PIL", "tensorboardX")
+# The rooms, bottom up: a module may import its own level and the levels below it, never above (docs/design.md).
+ROOMS = (
+    ("flowrl_jax", "flowrl_jax.parallel", "flowrl_jax.paths", "flowrl_jax.compiler", "flowrl_jax.options", "flowrl_jax.config_lib",
+     "flowrl_jax.checkpoint", "flowrl_jax.metrics"),                                   # infrastructure
+    ("flowrl_jax.models",),                                                            # networks and their weights
+    ("flowrl_jax.sampling", "flowrl_jax.data"),                                        # kernels, rollouts; prompt data
+    ("flowrl_jax.rewards", "flowrl_jax.objectives", "flowrl_jax.credit"),              # rewards, losses, advantages
+    ("flowrl_jax.worlds",),                                                            # settings: shapes, sd3
+    ("flowrl_jax.rl",),                                                                # the RL loop's programs, state, plan
+    ("flowrl_jax.jobs",),                                                              # what a user runs
+    ("flowrl_jax.main",),                                                              # the one entry
+)
 
 
 def _modules() -> dict[str, str]:
@@ -46,29 +58,75 @@ MODULES = _modules()
 GRAPH = {m: _imports(m, p, set(MODULES)) for m, p in MODULES.items()}
 
 
-def _parents(module: str) -> set[str]:
-    """Importing `a.b.c` runs `a/__init__` and `a/b/__init__` first: they are part of its import."""
-    parts = module.split(".")
-    return {".".join(parts[:i]) for i in range(1, len(parts))} & set(MODULES)
-
-
 def test_no_import_circles():
-    edges = {m: {t for t in deps if t in MODULES} | (_parents(m) - {m}) for m, deps in GRAPH.items()}
-    state = {}
+    """Tarjan's strongly connected components of the import graph: every component is one module. `from pkg import mod`
+    inside `pkg` names `pkg`, whose `__init__` Python has run already: an arrow to a module's own package is no circle."""
+    edges = {m: {t for t in deps if t in MODULES and not m.startswith(t + ".")} for m, deps in GRAPH.items()}
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
 
-    def visit(m, stack):
-        state[m] = "open"
+    def visit(m):
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        on_stack.add(m)
         for t in sorted(edges[m]):
-            if state.get(t) == "open" and not m.startswith(t + "."):  # a package importing its own submodule is no circle
-                cycle = stack[stack.index(t):] + [t] if t in stack else [m, t]
-                pytest.fail("import circle: " + " -> ".join(cycle))
-            if t not in state:
-                visit(t, stack + [t])
-        state[m] = "done"
+            if t not in index:
+                visit(t)
+                low[m] = min(low[m], low[t])
+            elif t in on_stack:
+                low[m] = min(low[m], index[t])
+        if low[m] == index[m]:
+            component = []
+            while True:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+                if component[-1] == m:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
 
     for m in sorted(edges):
-        if m not in state:
-            visit(m, [m])
+        if m not in index:
+            visit(m)
+    assert not circles, f"import circles: {circles}"
+
+
+def _level(module: str) -> int:
+    matches = [(len(room), level) for level, rooms in enumerate(ROOMS) for room in rooms
+               if module == room or module.startswith(room + ".")]
+    assert matches, f"{module} is in no room of ROOMS: add it"
+    return max(matches)[1]  # the most specific room
+
+
+def test_every_import_points_down_the_rooms():
+    up = sorted(f"{m} ({_level(m)}) -> {t} ({_level(t)})" for m, deps in GRAPH.items() for t in deps
+                if t in MODULES and _level(t) > _level(m))
+    assert not up, "imports that point up the rooms:\n" + "\n".join(up)
+
+
+def test_no_job_imports_another_job():
+    jobs = {m for m in MODULES if m.startswith("flowrl_jax.jobs.")}
+    across = sorted(f"{m} -> {t}" for m in jobs for t in GRAPH[m] if t in jobs)
+    assert not across, across
+
+
+def test_the_package_root_holds_at_most_twelve_modules():
+    root_modules = sorted(f for f in os.listdir(ROOT) if f.endswith(".py"))
+    assert len(root_modules) <= 12, root_modules
+
+
+def test_the_checks_see_a_circle_and_an_upward_arrow():
+    """The two rules on a graph with a planted circle and an arrow up (so that neither check passes vacuously)."""
+    global GRAPH
+    saved = GRAPH
+    try:
+        GRAPH = {**saved, "flowrl_jax.parallel": saved["flowrl_jax.parallel"] | {"flowrl_jax.jobs.train"}}
+        with pytest.raises(AssertionError, match="point up"):
+            test_every_import_points_down_the_rooms()
+        GRAPH = {**saved, "flowrl_jax.sampling.kernels": saved["flowrl_jax.sampling.kernels"] | {"flowrl_jax.sampling.rollout"}}
+        with pytest.raises(AssertionError, match="import circles"):
+            test_no_import_circles()
+    finally:
+        GRAPH = saved
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith(MATH_ROOMS)))

@@ -4,9 +4,9 @@ import numpy as np
 
 from flowrl_jax.data import shapes
 from flowrl_jax.models import text
-from flowrl_jax.pipeline import world_vocabulary
-from flowrl_jax.rewards import learned, shapes_eval
-from flowrl_jax.train_reward import Augmenter
+from flowrl_jax.worlds.shapes.pipeline import world_vocabulary
+from flowrl_jax.worlds.shapes import learned, evaluator
+from flowrl_jax.jobs.train_reward import Augmenter
 
 EPS = float(np.finfo(np.float32).eps)  # 1.19e-7
 
@@ -24,7 +24,7 @@ def test_mirrored_detections_equal_detecting_the_mirrored_images():
     got = learned.Detections(data["images"]).batch(idx, flip)
     images = data["images"][idx]
     images[flip] = images[flip, :, ::-1]
-    want = shapes_eval.detect(images)
+    want = evaluator.detect(images)
     order_got, order_want = np.lexsort((got["cy"], got["image"])), np.lexsort((want["cy"], want["image"]))
     for key in ("image", "shape", "color"):
         np.testing.assert_array_equal(got[key][order_got], want[key][order_want])
@@ -42,7 +42,7 @@ def test_augmented_batches_carry_the_evaluator_s_labels_of_what_they_show():
     batch, specs = augment.batch(idx, np.random.default_rng(2))
     swapped = [a is not b for a, b in zip(specs, [data["specs"][i] for i in idx])]
     assert 16 < sum(swapped) < 48 and all(q["category"] == data["specs"][i]["category"] for q, i in zip(specs, idx))
-    want = shapes_eval.evaluate(batch["images"], specs)
+    want = evaluator.evaluate(batch["images"], specs)
     np.testing.assert_array_equal(batch["score"], want["score"])
     expected_ids, _ = text.tokenize(tokenizer, [shapes.format_prompt(q) for q in specs], 10)
     np.testing.assert_array_equal(batch["ids"], expected_ids)
@@ -53,17 +53,17 @@ def test_augmented_batches_carry_the_evaluator_s_labels_of_what_they_show():
             counts[b, s, shapes.COLORS.index(o["color"])] += 1
     np.testing.assert_array_equal(batch["counts"], np.minimum(counts, 4))
     assert batch["counts"][:, -1].sum() > 0  # some clutter among the corrupted scenes
-    np.testing.assert_array_equal(data["score"], shapes_eval.evaluate(data["images"], data["specs"])["score"])
+    np.testing.assert_array_equal(data["score"], evaluator.evaluate(data["images"], data["specs"])["score"])
     plain = Augmenter(data, lambda prompts: text.tokenize(tokenizer, prompts, 10), relabel=0.0, flip=0.0)
     np.testing.assert_array_equal(plain.batch(idx, np.random.default_rng(3))[0]["score"], data["score"][idx])
 
 
 def test_palette_channels_are_the_evaluator_s_color_step():
-    """Where `shapes_eval.segment` assigns a pixel to color k with coverage a, channel 3 + k holds a and the
+    """Where `evaluator.segment` assigns a pixel to color k with coverage a, channel 3 + k holds a and the
     off-hue residual of k is within the evaluator's hue cut; unassigned colored pixels fail the cut."""
     images = _data()["images"][:32]
     feats = np.asarray(learned.palette_channels(images))
-    code, alpha = shapes_eval.segment(images)
+    code, alpha = evaluator.segment(images)
     k_count = len(shapes.COLORS)
     np.testing.assert_array_equal(feats[..., :3], images)
     coverage, residual = feats[..., 3 : 3 + k_count], feats[..., 3 + k_count :]
@@ -78,7 +78,7 @@ def test_palette_channels_are_the_evaluator_s_color_step():
     # <= |d|^2 (<= 12 eps/2 of |d|^2), and the float32 background and palette (each off by <= 3.5 eps/2) move r by
     # <= 2 sqrt(r) 7 eps/2 <= 3.5 eps/2 |d| (sqrt(r) <= MAX |d|), <= 16 eps/2 of |d|^2 >= 0.05: 14 eps in all (the 1e-3
     # slack used before was 8,400 eps; measured max residual - MAX^2 = -1.6e-3)
-    assert (residual[b, y, x, k][bright] <= shapes_eval.MAX_HUE_SIN ** 2 + 16 * EPS).all()
+    assert (residual[b, y, x, k][bright] <= evaluator.MAX_HUE_SIN ** 2 + 16 * EPS).all()
     assert len(k) > 1000 and bright.mean() > 0.9
 
 
@@ -109,5 +109,5 @@ def test_mirror_average_is_the_mean_of_the_two_views_and_is_mirror_invariant():
     assert np.abs(one - other).max() > 10 * tol  # an untrained net is not symmetric by itself (measured 0.057)
     np.testing.assert_allclose(apply(images, ids, mask), (one + other) / 2, rtol=0, atol=tol)  # measured 3e-8
     np.testing.assert_allclose(apply(images[:, :, ::-1], ids_m, mask_m), apply(images, ids, mask), rtol=0, atol=tol)
-    exact = shapes_eval.evaluate(images, specs)["score"]
-    np.testing.assert_array_equal(shapes_eval.evaluate(images[:, :, ::-1].copy(), mirrored_specs)["score"], exact)
+    exact = evaluator.evaluate(images, specs)["score"]
+    np.testing.assert_array_equal(evaluator.evaluate(images[:, :, ::-1].copy(), mirrored_specs)["score"], exact)

@@ -11,8 +11,10 @@ import pytest
 from jax.scipy.stats import norm
 from jax.sharding import PartitionSpec as P
 
-from flowrl_jax import config_lib, credit as credit_lib, parallel, worlds
-from flowrl_jax.steps import Steps, make_update_fn, minibatches
+from flowrl_jax import credit as credit_lib, parallel, worlds
+
+from configs import common
+from flowrl_jax.rl.programs import Steps, make_update_fn, minibatches
 from tests.conftest import load_config
 
 EPS = float(np.finfo(np.float32).eps)
@@ -124,13 +126,13 @@ def test_microbatched_update_has_the_whole_minibatch_gradient(smoke_base):
         np.testing.assert_allclose(s1[key], s0[key], rtol=1e-4, atol=1e-7, err_msg=key)  # the same weighted means, reassociated
 
 
-@pytest.mark.parametrize("target", list(config_lib.MEMORY_PLANS))
+@pytest.mark.parametrize("target", list(common.MEMORY_PLANS))
 def test_every_memory_plan_divides_its_batch_shards(target):
     """What the train job's setup would refuse on the pod itself: each plan's mesh fills its devices, the chunk and the
     microbatch are whole numbers of batch shards, the chunk divides flow_grpo's 48 x 24 rows; the frozen DiT's rule
     matches the frozen tree's DiT alone (paths 'dit/...'), not a trainable DiT's state or the text encoders."""
-    config = config_lib.sd35m_train_config(plan=target)
-    plan, t = config_lib.MEMORY_PLANS[target], config.train
+    config = common.sd35m_train_config(plan=target)
+    plan, t = common.MEMORY_PLANS[target], config.train
     # the device count is the plan's, not this machine's: the mesh is checked by arithmetic
     sizes = dict(config.mesh)
     filled = [s for s in sizes.values() if s != -1]

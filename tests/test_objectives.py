@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from flowrl_jax.objectives import advantage_flow, leap, nft
-from flowrl_jax.policy import PolicyFns
+from flowrl_jax.rl.policy import PolicyFns
 from flowrl_jax.sampling import schedule
 from tests.conftest import gaussian_velocity
 
@@ -161,7 +161,7 @@ def test_nft_old_policy_decay_schedules_at_hand_computed_steps():
 def test_old_policy_follows_by_the_decay_at_the_optimizer_steps_done_not_the_iterations():
     """NVlabs' `return_decay(global_step)` counts gradient steps: after 3 iterations of 7 optimizer steps in all,
     "linear" gives d = 0.007, so `old <- 0.007 old + 0.993 params` (by hand; 3 iterations would give 0.003)."""
-    from flowrl_jax.steps import TrainState, update_old_policy
+    from flowrl_jax.rl.programs import TrainState, update_old_policy
     state = TrainState(step=jnp.array(3), updates=jnp.array(7), params={"w": jnp.full((2,), 2.0)}, ema=None, opt_state=None,
                        credit={}, old={"w": jnp.zeros((2,))})
     new = update_old_policy(state, lambda n: nft.old_policy_decay(n, {"decay": "linear"}))

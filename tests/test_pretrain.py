@@ -7,7 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from flowrl_jax import assets, main, metrics, pretrain
+from flowrl_jax import main, metrics
+from flowrl_jax.worlds.shapes import assets
+from flowrl_jax.jobs import pretrain
 
 
 def _config(**pretrain):

@@ -12,13 +12,15 @@ import pytest
 from ml_collections import ConfigDict
 
 from flowrl_jax import config_lib, credit as credit_lib, main, objectives
-from flowrl_jax.policy import PolicyFns
+
+from configs import common
+from flowrl_jax.rl.policy import PolicyFns
 from flowrl_jax.sampling import kernels, rollout, schedule
-from flowrl_jax.steps import minibatches, sampler_levels
+from flowrl_jax.rl.programs import minibatches, sampler_levels
 from tests.conftest import gaussian_velocity
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
+CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.py")) if "def get_config" in open(p).read())  # not common.py
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(p) for p in CONFIGS])
@@ -67,7 +69,7 @@ def _fns(kind):
 
 def _iteration(name, kind):
     """(data, the objective's first minibatch, options) of one iteration with random rewards."""
-    config = config_lib.train_config()
+    config = common.train_config()
     config.objective.name = name
     config.sampler.update(kind=kind, num_steps=T, shift=1.0)
     objective = objectives.get(name)

@@ -21,9 +21,11 @@ import pytest
 import requests
 from PIL import Image
 
-from flowrl_jax import main, train
+from flowrl_jax import main
+from flowrl_jax.jobs import train
 from flowrl_jax.data import shapes
-from flowrl_jax.rewards import image, protocol, remote, shapes_eval
+from flowrl_jax.rewards import image, protocol, remote
+from flowrl_jax.worlds.shapes import evaluator
 from tests.conftest import load_config
 from tests.test_train import TINY, _state
 
@@ -82,7 +84,7 @@ def test_scores_equal_the_rewards_computed_here_on_the_same_pixels(server):
     images, rows = _scenes(12)
     pixels = image.to_uint8(images)
     served = pixels.astype(np.float32) / 127.5 - 1.0  # what the server scores: the images at 8 bits
-    expected = shapes_eval.evaluate(served, [r["spec"] for r in rows])["score"]
+    expected = evaluator.evaluate(served, [r["spec"] for r in rows])["score"]
     assert expected.min() < 1 or expected.max() > 0  # not a constant a broken transport could also give
     got = remote.build(f"remote:shapes_score@{server}", {"batch_size": 5})(images, rows)  # 3 requests: 5 + 5 + 2 rows
     np.testing.assert_array_equal(got, expected)  # the same function on the same pixels: equal, not close
@@ -170,7 +172,7 @@ def test_flow_grpo_geneval_protocol_against_a_standin_with_metadata_passed_throu
         _stop(proc)
     # What that server scores: flow_grpo's JPEG (PIL's default quality) of the 8-bit images, decoded again
     jpegs = [Image.open(io.BytesIO(b)).convert("RGB") for b in remote._jpegs(image.to_uint8(images))]
-    expected = shapes_eval.evaluate(np.stack([np.asarray(j) for j in jpegs]).astype(np.float32) / 127.5 - 1.0,
+    expected = evaluator.evaluate(np.stack([np.asarray(j) for j in jpegs]).astype(np.float32) / 127.5 - 1.0,
                                     [r["spec"] for r in rows])["score"]
     np.testing.assert_array_equal(got, expected)
     assert [json.loads(line) for line in open(log)] == json.loads(json.dumps(rows))  # every row whole, in order

@@ -14,10 +14,11 @@ torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 
-from flowrl_jax import checkpoint, main, parallel, train  # noqa: E402
+from flowrl_jax import checkpoint, main, parallel  # noqa: E402
+from flowrl_jax.jobs import train  # noqa: E402
 from flowrl_jax.data import datasets  # noqa: E402
 from flowrl_jax.models import convert  # noqa: E402
-from flowrl_jax.models.sd3 import load_sd3_pipeline  # noqa: E402
+from flowrl_jax.worlds.sd3.pipeline import load_sd3_pipeline  # noqa: E402
 from flowrl_jax.worlds.sd3 import SD3World  # noqa: E402
 from tests.conftest import load_config  # noqa: E402
 

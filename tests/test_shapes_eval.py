@@ -3,12 +3,12 @@ import numpy as np
 import pytest
 
 from flowrl_jax.data import shapes
-from flowrl_jax.rewards import shapes_eval
+from flowrl_jax.worlds.shapes import evaluator
 
 
 @pytest.fixture(scope="module")
 def validation():
-    return shapes_eval.validate(300, seed=0)
+    return evaluator.validate(300, seed=0)
 
 
 @pytest.mark.parametrize("category", shapes.CATEGORIES)
@@ -22,7 +22,7 @@ def test_accepts_own_prompt_rejects_near_miss(validation, category):
 
 
 def test_validation_at_64px():
-    for cat, r in shapes_eval.validate(40, seed=1, size=64).items():
+    for cat, r in evaluator.validate(40, seed=1, size=64).items():
         assert r["accept"] >= 0.975 and r["reject"] >= 0.975, (cat, r)  # n = 40: at most 1 miss (measured 0)
 
 
@@ -30,7 +30,7 @@ def test_detections_match_labels():
     rng = np.random.default_rng(3)
     specs = [s for c in shapes.CATEGORIES for s in shapes.all_specs(c)]
     scenes = [shapes.sample_scene(s, rng) for s in specs]
-    out = shapes_eval.evaluate(np.stack([im for im, _ in scenes]), specs)
+    out = evaluator.evaluate(np.stack([im for im, _ in scenes]), specs)
     for (_, labels), dets in zip(scenes, out["detections"]):
         assert len(dets) == len(labels)
         for lab in labels:
@@ -48,11 +48,11 @@ def test_strict_is_score_one_and_prompts_accepted():
     images = shapes.render_batch(specs, rng)
     others = [specs[i] for i in rng.permutation(len(specs))]
     for imgs, sp in ((images, specs), (images, others), (images + 0.3 * rng.standard_normal(images.shape), specs)):
-        out = shapes_eval.evaluate(imgs.astype(np.float32), sp)
+        out = evaluator.evaluate(imgs.astype(np.float32), sp)
         assert out["strict"].dtype == np.float32 and out["strict"].shape == (len(sp),)
         assert np.all((out["score"] >= 0) & (out["score"] <= 1))
         np.testing.assert_array_equal(out["strict"], (out["score"] == 1).astype(np.float32))
-    assert shapes_eval.evaluate(images, [shapes.format_prompt(s) for s in specs])["strict"].all()
+    assert evaluator.evaluate(images, [shapes.format_prompt(s) for s in specs])["strict"].all()
 
 
 def _objects(images):
@@ -82,7 +82,7 @@ CASES = [  # (scene, prompt, strict, score)
 
 
 def test_partial_credit_clauses():
-    strict, score = shapes_eval.score_objects(_objects([SCENES[c[0]] for c in CASES]), [c[1] for c in CASES])
+    strict, score = evaluator.score_objects(_objects([SCENES[c[0]] for c in CASES]), [c[1] for c in CASES])
     for (_, prompt, want_strict, want_score), st, sc in zip(CASES, strict, score):
         assert (st, sc) == pytest.approx((want_strict, want_score)), prompt  # float32 fractions: <= eps/2 off (rel 1e-6)
 
@@ -90,8 +90,8 @@ def test_partial_credit_clauses():
 def test_unknown_shape_is_ignored():
     objs = _objects([[("circle", "red", 5, 5, 40)]])
     objs["shape"][:] = -1
-    assert shapes_eval.score_objects(objs, ["a circle"])[1][0] == 0
-    assert shapes_eval.score_objects(_objects([[]]), ["a circle"])[1][0] == 0
+    assert evaluator.score_objects(objs, ["a circle"])[1][0] == 0
+    assert evaluator.score_objects(_objects([[]]), ["a circle"])[1][0] == 0
 
 
 def _canvas(n=1, size=32):
@@ -104,7 +104,7 @@ def test_no_objects_and_off_palette_colors():
     bg = shapes.to_unit(shapes.BACKGROUND)
     red, yellow = (shapes.to_unit(shapes.PALETTE[c]) - bg for c in ("red", "yellow"))
     img[2, 8:16, 8:16] = bg + red / np.linalg.norm(red) + yellow / np.linalg.norm(yellow)  # orange: hue halfway
-    out = shapes_eval.evaluate(img, ["a square"] * 3)
+    out = evaluator.evaluate(img, ["a square"] * 3)
     assert out["detections"] == [[], [], []] and not out["strict"].any()
 
 
@@ -115,13 +115,13 @@ def test_other_figures_are_no_shape():
     img[1, 8:20, 8:20] = red
     img[1, 11:17, 11:17] = shapes.to_unit(shapes.BACKGROUND)  # square ring
     img[2] = shapes.sample_scene("a red triangle", np.random.default_rng(0))[0][::-1]  # upside down
-    out = shapes_eval.evaluate(img, ["a square", "a square", "a triangle"])
+    out = evaluator.evaluate(img, ["a square", "a square", "a triangle"])
     assert [[d["shape"] for d in dets] for dets in out["detections"]] == [[None], [None], [None]]
     assert not out["strict"].any()
 
 
 def test_robust_to_pixel_noise():
-    for cat, r in shapes_eval.validate(100, seed=2, noise=0.05).items():
+    for cat, r in evaluator.validate(100, seed=2, noise=0.05).items():
         assert r["accept"] >= 0.97 and r["reject"] >= 0.97, (cat, r)  # n = 100: at most 3 misses (measured 0)
 
 
@@ -129,7 +129,7 @@ def test_tiny_components_dropped_and_square_found():
     img = _canvas()
     img[0, 2, 2:4] = shapes.to_unit(shapes.PALETTE["red"])  # 2-px speck
     img[0, 10:19, 10:19] = shapes.to_unit(shapes.PALETTE["green"])  # 9x9 square
-    out = shapes_eval.evaluate(img, ["a green square"])
+    out = evaluator.evaluate(img, ["a green square"])
     assert out["strict"][0] == 1
     assert [(d["shape"], d["color"], d["center"]) for d in out["detections"][0]] == [("square", "green", (14.5, 14.5))]
 
@@ -139,7 +139,7 @@ def test_same_color_objects_kept_apart():
     red = shapes.to_unit(shapes.PALETTE["red"])
     img[0, 4:12, 4:12] = red
     img[0, 4:12, 13:21] = red  # one background column between them
-    assert shapes_eval.evaluate(img, ["two squares"])["strict"][0] == 1
+    assert evaluator.evaluate(img, ["two squares"])["strict"][0] == 1
 
 
 def _flood_fill(code):
@@ -171,7 +171,7 @@ def test_components_are_the_flood_fill(colors):
     for density in (0.0, 0.2, 0.45, 0.7, 0.95):
         images = np.where(rng.random((4, 21, 27)) < density, rng.integers(colors, size=(4, 21, 27)), -1)
         code = np.pad(images, ((0, 0), (1, 1), (1, 1)), constant_values=-1).reshape(4 * 23, 29).astype(np.int8)
-        labels, n = shapes_eval._components(code)
+        labels, n = evaluator._components(code)
         want, n_want = _flood_fill(code)
         assert n == n_want and labels.dtype == np.int32
         np.testing.assert_array_equal(labels, want)
@@ -184,12 +184,12 @@ def test_detect_is_per_image():
     rng = np.random.default_rng(5)
     pool = [s for c in shapes.CATEGORIES for s in shapes.all_specs(c)]
     for size in (32, 64):
-        n = 2 * (shapes_eval._CHUNK_PX // (size * size)) + 7  # three chunks, the last one partial
+        n = 2 * (evaluator._CHUNK_PX // (size * size)) + 7  # three chunks, the last one partial
         images = shapes.render_batch([pool[i] for i in rng.integers(len(pool), size=n)], rng, size)
         images[: n // 3] += 0.3 * rng.standard_normal(images[: n // 3].shape).astype(np.float32)
         images[-3:] = rng.uniform(-1, 1, images[-3:].shape)
-        batch = shapes_eval.detect(images)
-        singles = [shapes_eval.detect(im[None]) for im in images]
+        batch = evaluator.detect(images)
+        singles = [evaluator.detect(im[None]) for im in images]
         for key, got in batch.items():
             want = np.concatenate([o[key] + i if key == "image" else o[key] for i, o in enumerate(singles)])
             assert got.dtype == want.dtype
@@ -198,13 +198,13 @@ def test_detect_is_per_image():
 
 def test_length_mismatch_raises():
     with pytest.raises(ValueError, match="2 images but 1 specs"):
-        shapes_eval.evaluate(_canvas(2), ["a circle"])
+        evaluator.evaluate(_canvas(2), ["a circle"])
 
 
 def test_near_misses_differ_by_one_field():
     for cat in shapes.CATEGORIES:
         for spec in shapes.all_specs(cat):
-            misses = shapes_eval.near_misses(spec)
+            misses = evaluator.near_misses(spec)
             assert misses and spec not in misses and all(m["category"] == cat for m in misses)
 
 
@@ -214,10 +214,10 @@ def test_noise_and_clutter_earn_nothing():
     test = shapes.load_prompts("test")
     rng = np.random.default_rng(0)
     noise = np.clip(rng.normal(0, 1.0, (len(test), 32, 32, 3)), -1, 1).astype(np.float32)
-    out = shapes_eval.evaluate(noise, [p["spec"] for p in test])
+    out = evaluator.evaluate(noise, [p["spec"] for p in test])
     assert out["strict"].sum() == 0 and out["score"].mean() < 0.05  # seeded numpy noise: measured 0 and 0.0055
     img = _canvas()
     img[0, 10:19, 10:19] = shapes.to_unit(shapes.PALETTE["green"])  # a clean green square...
     img[0, 22:26, 2:18] = shapes.to_unit(shapes.PALETTE["red"])  # ...and a red bar (no shape)
-    out = shapes_eval.evaluate(img, ["a green square"])
+    out = evaluator.evaluate(img, ["a green square"])
     assert out["strict"][0] == 0 and out["score"][0] == pytest.approx(0.5)  # 1.0 * 0.5: exact in float32

@@ -13,7 +13,7 @@ import flax  # noqa: E402
 import jax  # noqa: E402
 
 from benchmarks import compare_torch as ct, torch_reference as tr  # noqa: E402
-from flowrl_jax import config_lib  # noqa: E402
+from configs import common  # noqa: E402
 
 FIELDS = {"sampler": dict(num_steps=4, sde_window=(0, 2)), "train": dict(prompts_per_iteration=2, group_size=4, minibatches=2, lora_rank=4),
           "objective.grpo": dict(clip_range=0.2, beta=0.04)}
@@ -21,7 +21,7 @@ FIELDS = {"sampler": dict(num_steps=4, sde_window=(0, 2)), "train": dict(prompts
 
 @pytest.fixture(scope="module")
 def pair():
-    config = config_lib.embedded_train_config()
+    config = common.embedded_train_config()
     for section, fields in FIELDS.items():
         node = config
         for part in section.split("."):

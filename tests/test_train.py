@@ -12,7 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from flowrl_jax import assets, checkpoint, main, parallel, rewards
+from flowrl_jax import checkpoint, main, parallel, rewards
+from flowrl_jax.worlds.shapes import assets
 from flowrl_jax.config_lib import ConfigError
 from tests.conftest import load_config
 

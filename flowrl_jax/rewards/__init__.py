@@ -7,9 +7,7 @@
 the device. Host rewards read this process's rows as numpy; device rewards (`device.py`) run jitted on the array where
 it lies, their prompts tokenized on the host and sharded like the images, so the images make no host round trip.
 Host rewards, `(images numpy, prompt rows) -> r [B]`:
-- `shapes_score`: the exact evaluator's partial-credit score (Flow-GRPO's GenEval reward), in [0, 1].
-- `shapes_strict`: its 0/1 GenEval correctness.
-- `learned`: the shipped learned reward (`shapes32_reward`, differentiable in the pixels).
+- `shapes_score`, `shapes_strict`, `learned`: the shapes world's (`worlds/shapes/rewards.py`, imported when named).
 - `jpeg_compressibility` / `jpeg_incompressibility`: DDPO's model-free rewards (`image.py`), for any world.
 - `ocr`: flow_grpo's OCR reward, the edit distance of what an OCR engine reads to the prompt's quoted text (`ocr.py`;
   RapidOCR's PP-OCRv4, `pip install -r requirements-ocr.txt`; `ocr_paddleocr`: PaddleOCR 2.x, as flow_grpo runs it);
@@ -21,6 +19,7 @@ reward-server. New rewards register in `REWARDS` or `device.FACTORIES` (factorie
 """
 from __future__ import annotations
 
+import importlib
 import threading
 from typing import Any, Callable, Sequence
 
@@ -30,23 +29,15 @@ import numpy as np
 
 from flowrl_jax import parallel
 from flowrl_jax.models import clip
-from flowrl_jax.rewards import device, image, learned, ocr, remote, shapes_eval
+from flowrl_jax.rewards import device, image, ocr, remote
 
 
-def _exact(field: str) -> Callable:
-    def reward(images, prompts):
-        return shapes_eval.evaluate(np.asarray(images), [p["spec"] for p in prompts])[field]
-    return reward
-
-
-def _learned() -> Callable:
-    apply, params, tokenize = learned.reward_model()
-    apply = jax.jit(apply)
-
-    def reward(images, prompts):
-        ids, mask = tokenize(prompts)
-        return np.asarray(apply(params, jnp.asarray(images), jnp.asarray(ids), jnp.asarray(mask)))
-    return reward
+def _provided_by(module: str, factory: str) -> Callable[[], Callable]:
+    """A reward factory that imports `module` only when the reward is built: a world's own rewards load when named, and
+    this registry imports no world (the static import graph keeps its arrows down)."""
+    def build() -> Callable:
+        return getattr(importlib.import_module(module), factory)()
+    return build
 
 
 def _ocr(engine: str) -> Callable:
@@ -60,9 +51,9 @@ def _ocr(engine: str) -> Callable:
 
 
 REWARDS: dict[str, Callable[[], Callable]] = {  # host rewards
-    "shapes_score": lambda: _exact("score"),
-    "shapes_strict": lambda: _exact("strict"),
-    "learned": _learned,
+    "shapes_score": _provided_by("flowrl_jax.worlds.shapes.rewards", "shapes_score"),
+    "shapes_strict": _provided_by("flowrl_jax.worlds.shapes.rewards", "shapes_strict"),
+    "learned": _provided_by("flowrl_jax.worlds.shapes.rewards", "learned_reward"),
     "jpeg_compressibility": lambda: image.jpeg_compressibility,
     "jpeg_incompressibility": lambda: image.jpeg_incompressibility,
     "ocr": lambda: _ocr("rapidocr"),

@@ -23,9 +23,9 @@ from ml_collections import ConfigDict
 from transformers import PreTrainedTokenizerFast
 
 from flowrl_jax import checkpoint
-from flowrl_jax.pipeline import build_pipeline
+from flowrl_jax.worlds.shapes.pipeline import build_pipeline
 
-ASSET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+ASSET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets")  # flowrl_jax/assets/
 
 
 class AssetError(RuntimeError):

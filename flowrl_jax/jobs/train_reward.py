@@ -4,7 +4,7 @@
 
 Data (`rewards/learned.make_reward_data`): rendered scenes for their own or another prompt,
 corrupted scenes, and samples of the base model (`config.reward.base`) for train prompts at several
-CFG scales (so sample quality varies), all labelled by `shapes_eval.evaluate`. Each batch is augmented
+CFG scales (so sample quality varies), all labelled by `evaluator.evaluate`. Each batch is augmented
 (`Augmenter`): images mirrored left-right, prompts swapped for another of the same category, and the
 labels recomputed by the evaluator for what is shown; the loss is the score's BCE plus `count_weight` x
 the MSE of the image side's object counts per (shape, color) (`LearnedReward(with_counts=True)`). Training sees one view
@@ -28,10 +28,10 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from flowrl_jax import assets, checkpoint, evaluate, metrics
+from flowrl_jax import checkpoint, metrics
+from flowrl_jax.worlds.shapes import assets, geneval, learned, evaluator
 from flowrl_jax.config_lib import ConfigError
 from flowrl_jax.data import shapes
-from flowrl_jax.rewards import learned, shapes_eval
 
 
 def generate(pipe, params, prompts: list[dict], n: int, samplers: dict, seed: int, batch_size: int = 96):
@@ -60,7 +60,7 @@ def cached_base_samples(pipe, params, prompts: list[dict], n: int, cfg, seed: in
         cached = np.load(path)
         if str(cached["key"]) == key:
             return cached["images"].astype(np.float32) / 127.5 - 1.0, [by_prompt[str(q)] for q in cached["prompts"]]
-    samplers = {c: evaluate.make_sampler(pipe, 20, c, 1.0) for c in cfg.cfgs}
+    samplers = {c: geneval.make_sampler(pipe, 20, c, 1.0) for c in cfg.cfgs}
     images, rows = generate(pipe, params, prompts, n, samplers, seed=seed)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     np.savez_compressed(path, key=key, images=metrics.to_uint8(images), prompts=np.array([r["prompt"] for r in rows]))
@@ -104,7 +104,7 @@ class Augmenter:
             specs[j] = self.universe[cat][pick]
             ids[j], mask[j] = self.universe_tokens[cat][0][pick], self.universe_tokens[cat][1][pick]
         objects = self.detections.batch(idx, flip)
-        _, score = shapes_eval.score_objects(objects, specs)
+        _, score = evaluator.score_objects(objects, specs)
         return {"images": images, "ids": ids, "mask": mask, "score": score, "counts": learned.object_counts(objects, n)}, specs
 
 

@@ -33,15 +33,15 @@ import os
 
 from transformers import PreTrainedTokenizerFast
 
-from flowrl_jax import assets, checkpoint
+from flowrl_jax import checkpoint
+from flowrl_jax.worlds.shapes import assets, evaluator
 from flowrl_jax.data import shapes
 from flowrl_jax.models.text import tokenize
-from flowrl_jax.rewards import shapes_eval
 
 
 def palette_channels(images: jax.Array) -> jax.Array:
     """[B, H, W, 3] -> [B, H, W, 3 + 2K]: the image, and per palette color k the evaluator's step-1 quantities
-    (`shapes_eval.segment`) in differentiable form: the coverage `a_k = clip(d . v_k / |v_k|^2, 0, 1)` and
+    (`evaluator.segment`) in differentiable form: the coverage `a_k = clip(d . v_k / |v_k|^2, 0, 1)` and
     the off-hue residual `|d - a_k v_k|^2 / |d|^2`, `d = pixel - background`, `v_k = color k - background`."""
     bg = jnp.asarray(shapes.to_unit(shapes.BACKGROUND), jnp.float32)
     v = jnp.asarray(np.stack([shapes.to_unit(shapes.PALETTE[c]) for c in shapes.COLORS]), jnp.float32) - bg  # [K, 3]
@@ -104,7 +104,7 @@ class LearnedReward(nn.Module):
 
 def object_counts(objects: dict, num_images: int, cap: int = 4) -> np.ndarray:
     """[B, S + 1, K] float32: detected objects per (shape, color), shape index S = none of the shapes
-    (clutter), capped at `cap`; `objects` as `shapes_eval.detect` returns them."""
+    (clutter), capped at `cap`; `objects` as `evaluator.detect` returns them."""
     s, k = len(shapes.SHAPES), len(shapes.COLORS)
     hist = np.zeros((num_images, s + 1, k), np.float32)
     shape = np.where(np.asarray(objects["shape"]) >= 0, objects["shape"], s)
@@ -117,7 +117,7 @@ class Detections:
     scored against any prompt, mirrored left-right, without detecting again (`batch`)."""
 
     def __init__(self, images: np.ndarray):
-        objects = shapes_eval.detect(images)
+        objects = evaluator.detect(images)
         order = np.argsort(objects["image"], kind="stable")
         self.objects = {key: np.asarray(v)[order] for key, v in objects.items()}
         self.starts = np.searchsorted(self.objects["image"], np.arange(len(images) + 1))
@@ -179,7 +179,7 @@ def make_reward_data(prompts: list[dict], n: int, rng: np.random.Generator, size
         rows = rows + list(generated[1])
         source = source + ["generated"] * len(generated[1])
     detections = Detections(images)
-    _, score = shapes_eval.score_objects(detections.objects, [r["spec"] for r in rows])
+    _, score = evaluator.score_objects(detections.objects, [r["spec"] for r in rows])
     return {"images": images, "prompts": [r["prompt"] for r in rows], "specs": [r["spec"] for r in rows],
             "score": np.asarray(score, np.float32), "source": np.array(source), "detections": detections}
 

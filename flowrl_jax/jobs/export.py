@@ -12,7 +12,7 @@ import os
 
 import jax
 
-from flowrl_jax import assets, evaluate
+from flowrl_jax.worlds.shapes import assets, geneval
 from flowrl_jax.data import shapes
 
 
@@ -21,13 +21,13 @@ def run(config, workdir: str | None) -> dict:
     folder, step = assets.export(cfg.workdir, cfg.name)
     assets.write_manifest(folder, {"name": cfg.name})  # provisional, so that the asset loads for measuring
     pipe, params, _ = assets.load_pipeline(cfg.name)
-    result = evaluate.geneval(pipe, params, shapes.load_prompts("test"), jax.random.PRNGKey(config.seed), e.samples_per_prompt,
+    result = geneval.geneval(pipe, params, shapes.load_prompts("test"), jax.random.PRNGKey(config.seed), e.samples_per_prompt,
                               e.batch_size, e.num_steps, e.cfg, e.shift, progress=True)
-    print(evaluate.format_table(result["table"]))
+    print(geneval.format_table(result["table"]))
     with open(os.path.join(folder, "model.json")) as f:
         model = json.load(f)
     assets.write_manifest(folder, {"name": cfg.name, "source": cfg.workdir, "training_steps": step, "model": model,
                                    "test_eval": result["table"], "test_eval_settings": e.to_dict(), "notes": cfg.notes})
-    evaluate.category_grid(result, os.path.join(workdir or cfg.workdir, f"{cfg.name}_test_grid.png"))
+    geneval.category_grid(result, os.path.join(workdir or cfg.workdir, f"{cfg.name}_test_grid.png"))
     print(f"exported {folder}")
     return result["table"]

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from flowrl_jax import metrics, parallel, rewards
 from flowrl_jax.rewards import device
 from flowrl_jax.data import datasets
-from flowrl_jax.models.sd3 import load_sd3_pipeline
+from flowrl_jax.worlds.sd3.pipeline import load_sd3_pipeline
 
 DEFAULTS = {
     "pipeline": "",          # a diffusers StableDiffusion3Pipeline folder (required)

@@ -23,11 +23,12 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from flowrl_jax import evaluate, metrics, parallel
+from flowrl_jax import metrics, parallel
+from flowrl_jax.worlds.shapes import geneval
 from flowrl_jax.checkpoint import Checkpointer
 from flowrl_jax.config_lib import ConfigError
 from flowrl_jax.data import shapes
-from flowrl_jax.pipeline import Pipeline, build_pipeline, init_params, model_description
+from flowrl_jax.worlds.shapes.pipeline import Pipeline, build_pipeline, init_params, model_description
 
 
 def make_optimizer(cfg) -> optax.GradientTransformation:
@@ -128,7 +129,7 @@ def run(config, workdir: str | None) -> dict:
     step_fn = jax.jit(make_train_step(pipe, optimizer, cfg, jax.random.fold_in(rng, 1)), in_shardings=(shardings, data),
                       out_shardings=(shardings, None), donate_argnums=0)
     stream = SceneStream(pipe, shapes.load_prompts("train"), cfg.batch_size, pipe.dit.sample_size, cfg.caption_dropout, config.seed)
-    sampler = evaluate.make_sampler(pipe, cfg.sample_steps, cfg.sample_cfg, cfg.sample_shift)
+    sampler = geneval.make_sampler(pipe, cfg.sample_steps, cfg.sample_cfg, cfg.sample_shift)
     probe = eval_prompts(cfg.eval_per_category)
     writer = metrics.MetricWriter(workdir)
     start = int(state["step"])
@@ -149,10 +150,10 @@ def run(config, workdir: str | None) -> dict:
                 writer.scalars(done, stats)
                 bar.set_postfix(loss=f"{stats['loss']:.4f}")
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
-                result = evaluate.geneval(pipe, state["ema"], probe, jax.random.PRNGKey(0), 1, cfg.eval_batch_size, sampler=sampler)
+                result = geneval.geneval(pipe, state["ema"], probe, jax.random.PRNGKey(0), 1, cfg.eval_batch_size, sampler=sampler)
                 last = result["table"]
                 writer.scalars(done, {f"eval/{k}/{m}": v[m] for k, v in last.items() for m in ("strict", "score")})
-                evaluate.category_grid(result, os.path.join(workdir, f"samples_{done:06d}.png"))
+                geneval.category_grid(result, os.path.join(workdir, f"samples_{done:06d}.png"))
                 bar.write(f"step {done}: eval strict {last['overall']['strict']:.3f} score {last['overall']['score']:.3f}")
             if done % cfg.checkpoint_every == 0 or done == cfg.steps:
                 ckpt.save(done, state, {"step": done, "eval": last})

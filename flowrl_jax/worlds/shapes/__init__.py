@@ -7,7 +7,7 @@ Prompt rows are {"prompt", "category", "spec"} (`data/shapes.py`); `sample_promp
 uniformly first (the train set is unbalanced across categories). The DiT works on 32x32 RGB pixels
 in [-1, 1], so `decode` is the identity. Rewards are `rewards.REWARDS` by name (the exact evaluator's
 score and strictness, the learned reward); the reward model is the shipped learned reward. `evaluate`
-is the GenEval-style table (`evaluate.geneval`: ODE sampler, CFG) on the test prompts, with the sample
+is the GenEval-style table (`geneval.geneval`: ODE sampler, CFG) on the test prompts, with the sample
 grid `eval_<step>.png` and, optionally, the learned reward of the same images.
 """
 from __future__ import annotations
@@ -18,9 +18,10 @@ import os
 import jax
 import numpy as np
 
-from flowrl_jax import assets, evaluate, rewards
+from flowrl_jax import rewards
+from flowrl_jax.worlds.shapes import assets, geneval, learned
 from flowrl_jax.data import datasets, shapes
-from flowrl_jax.rewards import device, learned
+from flowrl_jax.rewards import device
 
 DEFAULTS = {"base": "shapes32", "train_prompts": "", "test_prompts": "",  # prompt sets: "" = the shipped train / test sets
             "reward_models": dict(device.FOLDERS),  # the device rewards' weights (rewards/device.py), for any world
@@ -102,11 +103,11 @@ class ShapesWorld:
     def evaluate(self, dit_params, frozen, step: int, workdir: str) -> dict:
         e = self.eval_cfg
         if self._sampler is None:
-            self._sampler = evaluate.make_sampler(self.pipe, e.num_steps, e.cfg, e.shift)
-        result = evaluate.geneval(self.pipe, {"dit": dit_params, "text": frozen["text"]}, self.test_prompts,
+            self._sampler = geneval.make_sampler(self.pipe, e.num_steps, e.cfg, e.shift)
+        result = geneval.geneval(self.pipe, {"dit": dit_params, "text": frozen["text"]}, self.test_prompts,
                                   jax.random.PRNGKey(self.eval_cfg.noise_seed), e.samples_per_prompt, e.batch_size, sampler=self._sampler,
                                   progress=True)
-        evaluate.category_grid(result, os.path.join(workdir, f"eval_{step:06d}.png"))
+        geneval.category_grid(result, os.path.join(workdir, f"eval_{step:06d}.png"))
         table = result["table"]
         entry = {"table": table}
         scalars = {f"eval/{k}/{m}": v[m] for k, v in table.items() for m in ("strict", "score")}
@@ -116,5 +117,5 @@ class ShapesWorld:
             entry["learned_reward"] = float(self._learned(result["images"], result["rows"])[0].mean())
             scalars["eval/learned_reward"] = entry["learned_reward"]
         text = (f"eval at step {step} (EMA weights, {len(self.test_prompts)} test prompts x {e.samples_per_prompt}, "
-                f"ODE {e.num_steps} steps, cfg {e.cfg}):\n" + evaluate.format_table(table))
+                f"ODE {e.num_steps} steps, cfg {e.cfg}):\n" + geneval.format_table(table))
         return {"entry": entry, "scalars": scalars, "text": text}

@@ -42,7 +42,7 @@ from flowrl_jax.data import curriculum
 from flowrl_jax.models import attention, lora, mmdit
 from flowrl_jax.rewards import remote
 from flowrl_jax.sampling import windows
-from flowrl_jax.steps import Steps, TrainState, learning_rate, minibatches, sampler_levels
+from flowrl_jax.rl.programs import Steps, TrainState, learning_rate, minibatches, sampler_levels
 
 
 def itstime(step: int, every: int, total: int, last: bool = False) -> bool:

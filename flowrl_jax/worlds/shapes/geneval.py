@@ -1,26 +1,21 @@
-"""GenEval-style evaluation on the shapes world, and the `eval` job.
+"""GenEval-style evaluation on the shapes world: sample every prompt, score it exactly, tabulate.
 
-    table = geneval(pipe, params, prompts, rng, samples_per_prompt=1, ...)
-    python -m flowrl_jax.main --config configs/eval_shapes.py --config.eval.checkpoint=shapes32
+    table = geneval(pipe, params, prompts, rng, samples_per_prompt=1, ...)["table"]
 
 Samples every prompt with the deterministic ODE sampler (CFG), scores the pixels with the exact
-evaluator (`rewards/shapes_eval.py`) and reports per category and overall the strict accuracy
+evaluator (`evaluator.py`) and reports per category and overall the strict accuracy
 (GenEval's 0/1 correctness) and the partial-credit score (Flow-GRPO's). "overall" is the mean of
 the per-category figures (GenEval's convention), so every category weighs the same.
 """
 from __future__ import annotations
 
-import json
-import os
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from flowrl_jax import assets, metrics, parallel
+from flowrl_jax import metrics, parallel
 from flowrl_jax.data import shapes
-from flowrl_jax.rewards import shapes_eval
+from flowrl_jax.worlds.shapes import evaluator
 
 
 def make_sampler(pipe, num_steps: int, cfg: float, shift: float):
@@ -40,7 +35,7 @@ def geneval(pipe, params, prompts: list[dict], rng, samples_per_prompt: int = 1,
         pad = batch_size - len(chunk)  # one compiled shape: pad the last batch
         ids, mask = pipe.tokenize([r["prompt"] for r in chunk] + [""] * pad)
         out = parallel.to_host(sampler(params, ids, mask, jax.random.fold_in(rng, i)))[: len(chunk)]  # gathered on every host
-        result = shapes_eval.evaluate(out, [r["spec"] for r in chunk])
+        result = evaluator.evaluate(out, [r["spec"] for r in chunk])
         images.append(out)
         strict.append(result["strict"])
         score.append(result["score"])
@@ -72,26 +67,3 @@ def category_grid(result: dict, path: str, per_category: int = 8) -> str:
             titles.append(category)
     labels = [("+ " if result["strict"][i] else "- ") + result["rows"][i]["prompt"] for i in picks]
     return metrics.save_grid(result["images"][picks], path, rows=len(titles), labels=labels, scale=4, row_titles=titles)
-
-
-def run(config, workdir: str | None) -> dict:
-    """The eval job: load a checkpoint (shipped name or workdir), print the table, write JSON + PNG."""
-    cfg = config.eval
-    pipe, params, info = assets.load_pipeline(cfg.checkpoint, use_ema=cfg.use_ema)
-    prompts = shapes.load_prompts(cfg.split)
-    if cfg.max_prompts:
-        prompts = prompts[: cfg.max_prompts]
-    result = geneval(pipe, params, prompts, jax.random.PRNGKey(config.seed), cfg.samples_per_prompt, cfg.batch_size,
-                     cfg.num_steps, cfg.cfg, cfg.shift, progress=True)
-    if not metrics.is_writer():  # process 0 reports and writes
-        return result["table"]
-    print(f"GenEval-style table: {info['name']} on {cfg.split} ({len(prompts)} prompts x {cfg.samples_per_prompt}, "
-          f"ODE {cfg.num_steps} steps, cfg {cfg.cfg}, shift {cfg.shift})")
-    print(format_table(result["table"]))
-    out_dir = workdir or os.path.join("workdirs", "eval")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "eval.json"), "w") as f:
-        json.dump({"checkpoint": info, "eval": cfg.to_dict(), "table": result["table"]}, f, indent=2)
-    category_grid(result, os.path.join(out_dir, "eval_grid.png"))
-    print(f"wrote {out_dir}/eval.json and eval_grid.png")
-    return result["table"]

@@ -25,7 +25,7 @@ import optax
 from flowrl_jax import compiler, credit as credit_lib, objectives, parallel
 from flowrl_jax.credit.context import Context
 from flowrl_jax.data import curriculum
-from flowrl_jax.policy import Policy, policy_fns
+from flowrl_jax.rl.policy import Policy, policy_fns
 from flowrl_jax.sampling import rollout as rollout_lib, schedule, windows
 
 
