@@ -187,3 +187,25 @@ def test_eight_device_run_agrees_with_one_device(smoke_base, tmp_path, monkeypat
     diffs = np.concatenate([np.abs(np.asarray(a) - np.asarray(b)).ravel()
                             for a, b in zip(jax.tree_util.tree_leaves(eight["params"]), jax.tree_util.tree_leaves(one["params"]))])
     assert diffs.max() <= 2 * TINY["train.lr"] and np.mean(diffs > 1e-5) < 0.005
+
+
+OLD_CHECKPOINT = os.path.join(os.path.dirname(__file__), "data", "checkpoint_before_issue40")
+
+
+def test_a_checkpoint_written_before_the_move_of_issue_40_resumes(tmp_path, capsys):
+    """A LoRA run's step-2 checkpoint written by the code before the jobs and the RL loop moved (commit 0c45904,
+    `tests/data/make_checkpoint_before_issue40.py`): today's train job restores it into its TrainState and trains on."""
+    workdir = tmp_path / "run"
+    shutil.copytree(OLD_CHECKPOINT, workdir)
+    fields = {"world.base": "shapes32", "sampler.num_steps": 3, "train.iterations": 3, "train.prompts_per_iteration": 2,
+              "train.group_size": 4, "train.minibatches": 2, "train.lora_rank": 2, "eval.at_start": False, "eval.every": 0,
+              "eval.per_category": 1, "eval.num_steps": 2, "eval.batch_size": 8, "checkpoint.every": 1,
+              "diagnostics.image_change_every": 0, "sampler.sde_window": (0, 2)}  # as the script wrote it, one iteration more
+    out = main.run_job(load_config("configs/flow_grpo.py", **fields), str(workdir))
+    assert out["step"] == 3 and "resumed from step 2" in capsys.readouterr().out
+    saved = np.load(os.path.join(OLD_CHECKPOINT, "params_step2.npz"))
+    restored = _state(str(workdir), 2)["params"]  # step 2's files as the old code wrote them, untouched by the resume
+    flat = {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v) for path, v in jax.tree_util.tree_leaves_with_path(restored)}
+    assert sorted(flat) == sorted(saved.files)
+    for name in saved.files:
+        np.testing.assert_array_equal(flat[name], saved[name])  # bit-equal: orbax stores the float32 arrays as they are
