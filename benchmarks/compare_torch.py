@@ -3,7 +3,7 @@
     python benchmarks/compare_torch.py [--setups quickstart,medium] [--repeats 3] [--no-compile]
     python benchmarks/compare_torch.py --device cuda --bf16     # a GPU: ours in bf16, torch with bf16 autocast
 
-Each setup builds both sides from the same weights: flowrl_jax's `steps.Steps` (the jitted rollout,
+Each setup builds both sides from the same weights: flowrl_jax's `rl/programs.py` programs (the jitted rollout,
 credit and update that `python -m flowrl_jax.main` runs) and `torch_reference.TorchFlowGRPO` on diffusers'
 `SD3Transformer2DModel`, eager and `torch.compile`d. Then it alternates one whole Flow-GRPO iteration per
 side (A/B/C, A/B/C, ...) `--repeats` times after a warm-up; the warm-up minus the median is the compile time.
@@ -48,12 +48,16 @@ from ml_collections import ConfigDict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import torch_reference as tr  # noqa: E402
-from flowrl_jax import credit as credit_lib, parallel, rewards
 from configs import common  # noqa: E402
-from flowrl_jax.worlds.shapes import assets, pipeline, ShapesWorld  # noqa: E402
-from flowrl_jax.rl import programs as steps_lib  # noqa: E402
+from flowrl_jax import parallel, rewards, worlds  # noqa: E402
 from flowrl_jax.models import flops  # noqa: E402
+from flowrl_jax.objectives.batch import IterationData  # noqa: E402
+from flowrl_jax.rl import plan as plan_lib, programs as programs_lib  # noqa: E402
+from flowrl_jax.rl.minibatch import minibatches  # noqa: E402
+from flowrl_jax.rl.state import TrainState  # noqa: E402
 from flowrl_jax.sampling import schedule  # noqa: E402
+from flowrl_jax.sampling.windows import sampler_levels  # noqa: E402
+from flowrl_jax.worlds.shapes import ShapesWorld, assets, pipeline  # noqa: E402
 
 SETUPS = {
     "quickstart": dict(base="shapes32", fields={}),
@@ -63,13 +67,21 @@ SETUPS = {
 
 @dataclasses.dataclass
 class Pair:
-    """Both sides of one setup, built from the same weights; `torch_sides` by name ("eager", "compile")."""
+    """Both sides of one setup, built from the same weights; `torch_sides` by name ("eager", "compile"). `state` is ours,
+    replaced by each update's result (the update donates the one it is given)."""
     config: ConfigDict
     mesh: jax.sharding.Mesh
     pipe: object
     world: ShapesWorld
-    steps: steps_lib.Steps
+    plan: plan_lib.Plan
+    programs: programs_lib.Programs
+    frozen: dict
+    state: TrainState
     torch_sides: dict
+
+    @property
+    def levels(self) -> np.ndarray:
+        return sampler_levels(self.config.sampler)
 
     @property
     def batch(self) -> int:
@@ -90,28 +102,28 @@ def random_base(preset: str, seed: int = 0, scale: float = 0.05):
 
 def build_pair(config, pipe, base: dict, compile_modes=("eager",), lora_b_scale: float = 0.0, seed: int = 0,
                autocast: bool = False) -> Pair:
-    """`steps.Steps` for `config` on `base`, and a `TorchFlowGRPO` per compile mode with the same DiT weights and
+    """Our programs for `config` on `base`, and a `TorchFlowGRPO` per compile mode with the same DiT weights and
     LoRA adapters (`lora_b_scale > 0` draws the adapters' `b`, zero at init, so the policy differs from the reference)."""
-    mesh = parallel.make_mesh(config.mesh)
-    credit = credit_lib.build(config.credit.names, config.credit, config.advantage.global_std, config.advantage.clip)
-    world = ShapesWorld(config, loaded=(pipe, base))
-    steps = steps_lib.Steps(config, mesh, world, *world.load(), credit)
+    plan = plan_lib.make_plan(config)
+    world = ShapesWorld(config.world, config.eval, worlds.run_facts(config, plan.mesh), loaded=(pipe, base))
+    plan = dataclasses.replace(plan, world=world)
+    programs, frozen, state = programs_lib.build(plan, *world.load())
     if lora_b_scale:
-        flat = jax.tree_util.tree_leaves_with_path(steps.state.params)
+        flat = jax.tree_util.tree_leaves_with_path(state.params)
         keys = iter(jax.random.split(jax.random.PRNGKey(seed + 7), len(flat)))
         params = jax.tree_util.tree_map_with_path(
-            lambda path, x: x + lora_b_scale * jax.random.normal(next(keys), x.shape) if path[-1].key == "b" else x, steps.state.params)
-        params = jax.device_put(params, steps.shardings.params)
+            lambda path, x: x + lora_b_scale * jax.random.normal(next(keys), x.shape) if path[-1].key == "b" else x, state.params)
+        params = jax.device_put(params, programs.state_shardings.params)
         ema = jax.tree_util.tree_map(lambda x: x.copy(), params)  # its own buffers: the update donates both
-        steps.state = steps.state.replace(params=params, ema=ema)
-    adapters = jax.device_get(steps.state.params)
+        state = state.replace(params=params, ema=ema)
+    adapters = jax.device_get(state.params)
     t, o = config.train, config.objective.grpo
     sides = {mode: tr.TorchFlowGRPO(tr.diffusers_model(pipe.dit, jax.device_get(base["dit"])), adapters, pipe.dit.lora_alpha,
                                     config.sampler.cfg, o.clip_range, o.beta, t.lr, t.weight_decay, t.grad_clip, t.ema_decay,
                                     compile=mode == "compile", kl_form=o.kl_form, detach_uncond=o.detach_uncond, ema_every=t.ema_every,
                                     autocast=autocast)
              for mode in compile_modes}
-    return Pair(config, mesh, pipe, world, steps, sides)
+    return Pair(config, plan.mesh, pipe, world, plan, programs, frozen, state, sides)
 
 
 def iteration_prompts(pair: Pair, it: int) -> list[dict]:
@@ -122,7 +134,7 @@ def iteration_prompts(pair: Pair, it: int) -> list[dict]:
 
 def jax_rollout(pair: Pair, prompts: list[dict], it: int):
     ids, mask = parallel.shard_batch(pair.pipe.tokenize([p["prompt"] for p in prompts]), pair.mesh)
-    return pair.steps.rollout(pair.steps.state.params, pair.steps.frozen, ids, mask, jax.random.PRNGKey(it))
+    return pair.programs.rollout(pair.state.params, pair.frozen, ids, mask, jax.random.PRNGKey(it), pair.levels)
 
 
 def jax_updates(pair: Pair, ro, cond, null, reward: np.ndarray, it: int):
@@ -130,19 +142,20 @@ def jax_updates(pair: Pair, ro, cond, null, reward: np.ndarray, it: int):
     -> (adv [B, T, 1], [stats per update])."""
     t = pair.config.train
     gids = np.repeat(np.arange(t.prompts_per_iteration, dtype=np.int32), t.group_size)
-    steps = pair.steps
-    adv, _, _ = steps.credit(ro, parallel.shard_batch(reward.astype(np.float32), pair.mesh), parallel.shard_batch(gids, pair.mesh),
-                             t.prompts_per_iteration, steps.state.credit, {}, jax.random.PRNGKey(0))
-    stats, data = [], {"rollout": ro, "adv": adv, "cond": cond, "null": null}
+    sched = programs_lib.schedule_of(pair.config.sampler, pair.levels)
+    adv, _, _ = pair.programs.credit(ro, sched, parallel.shard_batch(reward.astype(np.float32), pair.mesh),
+                                     parallel.shard_batch(gids, pair.mesh), t.prompts_per_iteration, pair.state.credit, {},
+                                     jax.random.PRNGKey(0))
+    stats, data = [], IterationData(ro, sched, adv, cond, null, jax.random.PRNGKey(1))
     for rows, slots, weight in minibatch_order(pair, it):
-        steps.state, s = steps.update(steps.state, steps.frozen, data, rows, slots, weight)
+        pair.state, s = pair.programs.update(pair.state, pair.frozen, data, rows, slots, weight)
         stats.append(s)
     return adv, stats
 
 
 def minibatch_order(pair: Pair, it: int):
     keep = np.ones(pair.batch, bool)
-    return steps_lib.minibatches(keep, pair.steps.slots, pair.steps.minibatch_size, np.random.default_rng([pair.config.seed, it, 0]))
+    return minibatches(keep, pair.plan.slots_at(pair.levels), pair.plan.minibatch_size, np.random.default_rng([pair.config.seed, it, 0]))
 
 
 def torch_condition(cond, null):
@@ -151,7 +164,7 @@ def torch_condition(cond, null):
 
 def torch_schedule(config):
     s = config.sampler
-    return tr.to_torch(schedule.sigmas(s.num_steps, s.shift)), tr.to_torch(steps_lib.sampler_levels(s))
+    return tr.to_torch(schedule.sigmas(s.num_steps, s.shift)), tr.to_torch(sampler_levels(s))
 
 
 def torch_updates(pair: Pair, side, ro: dict, cond, null, reward: np.ndarray, it: int):
@@ -171,7 +184,7 @@ def time_jax_iteration(pair: Pair, reward_fn, it: int) -> dict:
     t1 = time.perf_counter()
     reward, _ = reward_fn(parallel.local_rows(ro.final), prompts)
     _, stats = jax_updates(pair, ro, cond, null, reward, it)
-    jax.block_until_ready(pair.steps.state)
+    jax.block_until_ready(pair.state)
     t2 = time.perf_counter()
     return {"rollout_s": t1 - t0, "update_s": t2 - t1, "iteration_s": t2 - t0, "updates": len(stats)}
 
@@ -180,8 +193,8 @@ def time_torch_iteration(pair: Pair, side, reward_fn, it: int) -> dict:
     prompts = iteration_prompts(pair, it)
     s, t = pair.config.sampler, pair.config.train
     ids, mask = parallel.shard_batch(pair.pipe.tokenize([p["prompt"] for p in prompts]), pair.mesh)
-    cond, null = torch_condition(pair.pipe.encode(pair.steps.frozen["text"], ids, mask),
-                                 pair.pipe.null_condition(pair.steps.frozen["text"], pair.batch))
+    cond, null = torch_condition(pair.pipe.encode(pair.frozen["text"], ids, mask),
+                                 pair.pipe.null_condition(pair.frozen["text"], pair.batch))
     sigmas, levels = torch_schedule(pair.config)
     shape = (pair.batch, pair.pipe.dit.in_channels, pair.pipe.dit.sample_size, pair.pipe.dit.sample_size)
     gen = torch.Generator(torch.get_default_device()).manual_seed(it)
@@ -223,13 +236,13 @@ def matmul_peak(n: int = 2048, repeats: int = 10, bf16: bool = False) -> dict:
 def hand_flops(pair: Pair) -> dict:
     """(rollout, one update) FLOPs (module doc)."""
     dit, s = pair.pipe.dit, pair.config.sampler
-    params, adapters = pair.steps.frozen["dit"], pair.steps.state.params if pair.config.train.lora_rank else None
+    params, adapters = pair.frozen["dit"], pair.state.params if pair.config.train.lora_rank else None
     text_len = pair.pipe.text.max_len
     size = dit.sample_size
     roll = flops.forward_flops(dit, params, 2 * pair.batch, size, size, text_len, adapters)
     kl = pair.config.objective.grpo.beta > 0
     return {"rollout": s.num_steps * roll,
-            "update": flops.lora_update_flops(dit, params, pair.steps.minibatch_size, size, size, text_len, adapters, kl)}
+            "update": flops.lora_update_flops(dit, params, pair.plan.minibatch_size, size, size, text_len, adapters, kl)}
 
 
 def setup_pair(name: str, compile_modes=("eager",), bf16: bool = False, overrides: dict | None = None) -> tuple[Pair, object]:
@@ -255,15 +268,15 @@ def run_setup(name: str, repeats: int, compile_torch: bool, bf16: bool = False) 
             times[k].append(fn(r))
             print(f"  {name} round {r} {k}: {times[k][-1]['iteration_s']:.2f} s", flush=True)
     fl = hand_flops(pair)
-    result = {"setup": name, "batch": pair.batch, "num_steps": config.sampler.num_steps, "trained_steps": len(pair.steps.slots),
-              "minibatch_pairs": pair.steps.minibatch_size, "updates": times["flowrl_jax"][0]["updates"],
-              "params": int(sum(x.size for x in jax.tree_util.tree_leaves(pair.steps.frozen["dit"]))), "flops": fl, "sides": {}}
+    result = {"setup": name, "batch": pair.batch, "num_steps": config.sampler.num_steps, "trained_steps": len(pair.plan.slots_at(pair.levels)),
+              "minibatch_pairs": pair.plan.minibatch_size, "updates": times["flowrl_jax"][0]["updates"],
+              "params": int(sum(x.size for x in jax.tree_util.tree_leaves(pair.frozen["dit"]))), "flops": fl, "sides": {}}
     for k, rows in times.items():
         med = {f: statistics.median(row[f] for row in rows[1:]) for f in ("rollout_s", "update_s", "iteration_s")}
         per_update = med["update_s"] / rows[1]["updates"]
         result["sides"][k] = {**med, "compile_s": rows[0]["iteration_s"] - med["iteration_s"],
                               "rollout_images_per_s": pair.batch / med["rollout_s"],
-                              "update_pairs_per_s": pair.steps.minibatch_size / per_update,
+                              "update_pairs_per_s": pair.plan.minibatch_size / per_update,
                               "rollout_gflop_s": fl["rollout"] / med["rollout_s"] / 1e9,
                               "update_gflop_s": fl["update"] / per_update / 1e9, "all": rows}
     return result

@@ -57,33 +57,32 @@ def child(setup: str, cache: str, sets: dict) -> dict:
         return out
 
     import numpy as np
-    from flowrl_jax import config_lib, credit as credit_lib, parallel, worlds
-    from flowrl_jax.rl import programs as steps_lib
+    from flowrl_jax import config_lib, parallel
+    from flowrl_jax.rl import plan as plan_lib, programs as programs_lib
+    from flowrl_jax.rl.minibatch import minibatches
     config = config_lib.load_config(os.path.join("configs", "quickstart.py"), **fields)
     t_cfg = config.train
-    mesh = parallel.make_mesh(config.mesh)
-    world = worlds.build(config)
-    dit, base = world.load()
-    credit = credit_lib.build(config.credit.names, config.credit, config.advantage.global_std, config.advantage.clip)
-    steps = steps_lib.Steps(config, mesh, world, dit, base, credit)
+    plan = plan_lib.make_plan(config)
+    world, mesh = plan.world, plan.mesh
+    programs, frozen, initial = programs_lib.build(plan, *world.load())
     prompts = [world.train_prompts[i] for i in world.sample_prompts(t_cfg.prompts_per_iteration, np.random.default_rng(0))
                for _ in range(t_cfg.group_size)]
     ids, mask = parallel.shard_batch(world.tokenize(prompts), mesh)
-    state = [steps.state]  # the update donates it
-    calls = {"rollout": lambda: steps.rollout(state[0].params, steps.frozen, ids, mask, jax.random.PRNGKey(0))}
+    levels = plan.levels_at(0)
+    state = [initial]  # the update donates it: only the state it returns is live
+    calls = {"rollout": lambda: programs.rollout(state[0].params, frozen, ids, mask, jax.random.PRNGKey(0), levels)}
     first = {}
     t0 = time.perf_counter()
     ro, cond, null = jax.block_until_ready(calls["rollout"]())
     first["rollout"] = time.perf_counter() - t0
     batch = t_cfg.prompts_per_iteration * t_cfg.group_size
     adv = jax.numpy.zeros((batch, config.sampler.num_steps, 1), jax.numpy.float32) + 0.5
-    data = {"rollout": ro, "adv": parallel.shard_batch(np.asarray(adv), mesh), "cond": cond, "null": null,
-            **steps.objective_extras(prompts)}
-    rows, step_ids, weight = next(steps_lib.minibatches(np.ones(batch, bool), steps.slots, steps.minibatch_size,
-                                                        np.random.default_rng(0)))
+    data = programs_lib.iteration_data(programs, ro, programs_lib.schedule_of(config.sampler, levels),
+                                       parallel.shard_batch(np.asarray(adv), mesh), cond, null, jax.random.PRNGKey(1), prompts)
+    rows, step_ids, weight = next(minibatches(np.ones(batch, bool), plan.slots_at(levels), plan.minibatch_size, np.random.default_rng(0)))
 
     def update():
-        state[0], stats = steps.update(state[0], steps.frozen, data, rows, step_ids, weight)
+        state[0], stats = programs.update(state[0], frozen, data, rows, step_ids, weight)
         return stats
 
     calls["update"] = update

@@ -32,7 +32,9 @@ from memory_plan import GB, build_job, target_config  # noqa: E402
 
 from flowrl_jax import metrics  # noqa: E402
 from flowrl_jax.models import flops  # noqa: E402
-from flowrl_jax.rl.programs import minibatches  # noqa: E402
+from flowrl_jax.objectives.batch import IterationData  # noqa: E402
+from flowrl_jax.rl.minibatch import minibatches  # noqa: E402
+from flowrl_jax.rl.programs import schedule_of  # noqa: E402
 
 # A toy pipeline of the same structure (tests/test_sd3.py's sizes): the script end to end on a CPU in a minute.
 TINY_COMPONENTS = {
@@ -97,10 +99,11 @@ def measure(args) -> dict:
     mask = jax.device_put(np.ones(job.rollout_args[3].shape, bool), job.rollout_args[3].sharding)
     key = jax.random.PRNGKey(2)
 
-    rollout_s, (ro, cond, null) = _timed(lambda: compiled["rollout"](state.params, frozen, ids, mask, key), args.repeats)
+    levels = job.rollout_args[5]
+    rollout_s, (ro, cond, null) = _timed(lambda: compiled["rollout"](state.params, frozen, ids, mask, key, levels), args.repeats)
     decode_s, _ = _timed(lambda: compiled["decode"](frozen["vae"], ro.final), args.repeats)
-    adv = jax.device_put(np.random.default_rng(0).standard_normal(job.data["adv"].shape).astype(np.float32), job.data["adv"].sharding)
-    data = {"rollout": ro, "adv": adv, "cond": cond, "null": null}
+    adv = jax.device_put(np.random.default_rng(0).standard_normal(job.data.adv.shape).astype(np.float32), job.data.adv.sharding)
+    data = IterationData(ro, schedule_of(job.config.sampler, levels), adv, cond, null, key)
     rows, slots, weight = next(minibatches(np.ones(job.batch, bool), job.slots, job.pairs, np.random.default_rng(0)))
     holder = {"state": state}
 

@@ -33,10 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from flowrl_jax import config_lib, credit as credit_lib, parallel, worlds
+from flowrl_jax import config_lib, parallel
 from flowrl_jax.credit import group
+from flowrl_jax.objectives.batch import IterationData, ParamTrees
+from flowrl_jax.rl import plan as plan_lib, programs as programs_lib
 from flowrl_jax.rl.policy import policy_fns
-from flowrl_jax.rl.programs import Steps, sampler_levels
+from flowrl_jax.sampling.windows import sampler_levels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,12 +48,10 @@ def group_gradients(config, num_groups: int, null: bool, seed: int) -> tuple[np.
     `rollout_s` (sampling + reward, per rollout / its groups) and `gradient_s` (one group's pairs), each the median over
     calls after the first, so the compile is left out)."""
     t = config.train
-    mesh = parallel.make_mesh(config.mesh)
-    world = worlds.build(config)
-    dit, base = world.load()
-    credit = credit_lib.build(("uniform",), config.credit, config.advantage.global_std, config.advantage.clip)
-    steps = Steps(config, mesh, world, dit, base, credit)
-    reward_fn = world.reward_fn(t.rewards)
+    plan = plan_lib.make_plan(config)
+    world, mesh = plan.world, plan.mesh
+    programs, frozen, state = programs_lib.build(plan, *world.load())
+    reward_fn = world.reward_fn(plan.rewards)
     per_rollout = t.prompts_per_iteration
     if num_groups <= per_rollout:
         raise SystemExit(f"--groups {num_groups}: need more than {per_rollout} (two rollouts), so the warm timings leave out the compile")
@@ -60,11 +60,11 @@ def group_gradients(config, num_groups: int, null: bool, seed: int) -> tuple[np.
         drawn = world.sample_prompts(per_rollout, np.random.default_rng([seed, r]))
         prompts = [world.train_prompts[i] for i in drawn for _ in range(t.group_size)]
         ids, mask = parallel.shard_batch(world.tokenize(prompts), mesh)
-        levels = steps.levels_at(r)  # the window of iteration r under the config's schedule (Fast: random; MixGRPO: sliding)
+        levels = plan.levels_at(r)  # the window of iteration r under the config's schedule (Fast: random; MixGRPO: sliding)
         start = time.perf_counter()
-        ro, cond, null_cond = steps.rollout(steps.state.params, steps.frozen, ids, mask, jax.random.PRNGKey(1000 * seed + r), levels)
-        rollouts.append((ro, cond, null_cond, steps.slots_at(levels)))
-        rewards.append(np.asarray(reward_fn(np.asarray(world.decode(steps.frozen, ro.final)), prompts)[0], np.float32))
+        ro, cond, null_cond = programs.rollout(state.params, frozen, ids, mask, jax.random.PRNGKey(1000 * seed + r), levels)
+        rollouts.append((ro, programs_lib.schedule_of(config.sampler, levels), cond, null_cond, plan.slots_at(levels)))
+        rewards.append(np.asarray(reward_fn(np.asarray(world.decode(frozen, ro.final)), prompts)[0], np.float32))
         rollout_s.append((time.perf_counter() - start) / per_rollout)
     reward = np.concatenate(rewards)
     group_ids = np.repeat(np.arange(len(reward) // t.group_size), t.group_size)
@@ -73,26 +73,27 @@ def group_gradients(config, num_groups: int, null: bool, seed: int) -> tuple[np.
     if null:
         adv = group.permute_within_groups(adv, jnp.asarray(group_ids), jax.random.PRNGKey(seed + 7))
     adv = np.asarray(adv)
-    objective, options, policy = steps.objective, steps.options, steps.policy
+    policy = programs.policy
+    objective, options = plan.objective, plan.loss_options(policy.dit.patch_size)
     fns = policy_fns(policy, config.sampler, None, None, options.get("detach_uncond", False))
 
     @jax.jit
     def grad(params, frozen, data, rows, slots, weight):
         mb = objective.pairs(data, rows, slots, weight, jax.random.PRNGKey(0), options)
-        loss = lambda p: objective.loss(policy.variables(p, frozen["dit"]), {"params": frozen["dit"]}, mb, fns, options)[0]  # noqa: E731
+        loss = lambda p: objective.loss(ParamTrees(policy.variables(p, frozen["dit"]), {"params": frozen["dit"]}), mb, fns, options)[0]  # noqa: E731
         return ravel_pytree(jax.grad(loss)(params))[0]
 
     grads = []
     batch = per_rollout * t.group_size
     for k in range(num_groups):
-        ro, cond, null_cond, trained = rollouts[k // per_rollout]
+        ro, sched, cond, null_cond, trained = rollouts[k // per_rollout]
         first = (k % per_rollout) * t.group_size
         rows, slots = np.meshgrid(np.arange(first, first + t.group_size), trained, indexing="ij")
         a = np.zeros((batch, 1, 1), np.float32)
         a[:, 0, 0] = adv[(k // per_rollout) * batch:(k // per_rollout + 1) * batch]
-        data = {"rollout": ro, "adv": jnp.asarray(a), "cond": cond, "null": null_cond}
+        data = IterationData(ro, sched, jnp.asarray(a), cond, null_cond, jax.random.PRNGKey(0))
         start = time.perf_counter()
-        grads.append(np.asarray(grad(steps.state.params, steps.frozen, data, rows.ravel().astype(np.int32),
+        grads.append(np.asarray(grad(state.params, frozen, data, rows.ravel().astype(np.int32),
                                      slots.ravel().astype(np.int32), np.ones(rows.size, np.float32))))
         gradient_s.append(time.perf_counter() - start)
     warm = {"rollout_s": float(np.median(rollout_s[1:])), "gradient_s": float(np.median(gradient_s[1:]))}

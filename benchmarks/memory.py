@@ -26,6 +26,7 @@ from flowrl_jax.rl.policy import PolicyFns
 from configs.common import model_config
 from flowrl_jax.models import build_mmdit
 from flowrl_jax.objectives import leap
+from flowrl_jax.objectives.batch import ParamTrees
 from flowrl_jax.worlds.shapes import learned
 from flowrl_jax.sampling import schedule
 
@@ -41,15 +42,15 @@ def measure(preset: str, batch: int, num_steps: int) -> dict:
     def velocity(p, x, sigma, mb=None):
         return model.apply({"params": p}, x, sigma, txt, pooled)
 
-    def reward(images, mb=None):
-        return reward_apply(reward_params, images, ids, mask)
+    def reward(params, images, mb=None):
+        return reward_apply(params, images, ids, mask)
 
     def leap_grad(p, states, x0, i_k, i_j):
         rows = jnp.arange(batch)
         mb = {"x_k": states[rows, i_k], "x_j": states[rows, i_j], "x0": x0, "sigma_k": sigmas[i_k], "sigma_j": sigmas[i_j],
               "weight": jnp.ones(batch)}
         fns, options = PolicyFns(None, velocity, reward), {**leap.DEFAULTS, "gamma": 0.5, "tau": 0.01}
-        return jax.grad(lambda q: leap.loss(q, None, mb, fns, options)[0])(p)
+        return jax.grad(lambda q: leap.loss(ParamTrees(q, None, reward=reward_params), mb, fns, options)[0])(p)
 
     def full_grad(p, x_T, remat: bool):
         def loss(q):
@@ -57,7 +58,7 @@ def measure(preset: str, batch: int, num_steps: int) -> dict:
                 return x + (pair[1] - pair[0]) * velocity(q, x, jnp.full((batch,), pair[0])), None
 
             step_fn = jax.checkpoint(step) if remat else step
-            return -reward(jax.lax.scan(step_fn, x_T, (sigmas[:-1], sigmas[1:]))[0]).sum()
+            return -reward(reward_params, jax.lax.scan(step_fn, x_T, (sigmas[:-1], sigmas[1:]))[0]).sum()
         return jax.grad(loss)(p)
 
     spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731

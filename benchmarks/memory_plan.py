@@ -38,17 +38,19 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from flowrl_jax import compiler, credit as credit_lib, objectives, parallel
-
 from configs import common  # noqa: E402
+from flowrl_jax import compiler, credit as credit_lib, objectives, parallel, worlds  # noqa: E402
 from flowrl_jax.models import clip, clip_text, clip_vision  # noqa: E402
-from flowrl_jax.worlds.sd3.pipeline import SD35_MEDIUM, build_pipeline  # noqa: E402
+from flowrl_jax.objectives.batch import IterationData  # noqa: E402
 from flowrl_jax.rewards import device  # noqa: E402
-from reward_throughput import TOWERS  # noqa: E402  (benchmarks/: the reward towers' real shapes)
+from flowrl_jax.rl.minibatch import minibatch_pairs  # noqa: E402
 from flowrl_jax.rl.policy import Policy  # noqa: E402
-from flowrl_jax.rl.programs import (initial_state, make_optimizer, make_rollout_fn, make_update_fn, minibatch_pairs,  # noqa: E402
-                              sampler_levels)
+from flowrl_jax.rl.programs import make_rollout, make_update_fn, schedule_of  # noqa: E402
+from flowrl_jax.rl.state import initial_state, make_optimizer  # noqa: E402
+from flowrl_jax.sampling.windows import sampler_levels  # noqa: E402
 from flowrl_jax.worlds.sd3 import SD3World  # noqa: E402
+from flowrl_jax.worlds.sd3.pipeline import SD35_MEDIUM, build_pipeline  # noqa: E402
+from reward_throughput import TOWERS  # noqa: E402  (benchmarks/: the reward towers' real shapes)
 
 HEADROOM = 0.9  # of the device's memory: the runtime, fragmentation and the host transfers need the rest
 GB = 1e9
@@ -131,7 +133,7 @@ def build_job(config, devices, components: dict = SD35_MEDIUM) -> SimpleNamespac
                                        attention=w.attention, scan_blocks=w.scan_blocks,
                                        clip_max_length=w.clip_max_length, t5_max_length=w.t5_max_length, shift=s.shift)
     frozen = jax.eval_shape(init_frozen, jax.random.PRNGKey(0))
-    world = SD3World.around(config, pipe, parallel.batch_sharding(mesh))
+    world = SD3World.around(config.world, config.eval, worlds.run_facts(config, mesh), pipe)
     policy = Policy(pipe.dit, t.lora_rank, t.lora_init)
     objective = objectives.get(config.objective.name)
     reward_apply = None
@@ -157,25 +159,27 @@ def build_job(config, devices, components: dict = SD35_MEDIUM) -> SimpleNamespac
     mask = jax.ShapeDtypeStruct(ids.shape, jnp.bool_, sharding=data_sh)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)
     frozen_abs, state_abs = _abstract(frozen, frozen_sh), _abstract(state, state_sh)
-    rollout_fn = jax.jit(make_rollout_fn(policy, world, config, data_sh), in_shardings=(state_sh.params, frozen_sh, data_sh, data_sh, rep))
-    ro, cond, null = jax.eval_shape(rollout_fn, state_abs.params, frozen_abs, ids, mask, key)
+    levels = sampler_levels(s)
+    rollout_fn = jax.jit(make_rollout(policy, world, config, data_sh).whole,
+                         in_shardings=(state_sh.params, frozen_sh, data_sh, data_sh, rep, rep))
+    ro, cond, null = jax.eval_shape(rollout_fn, state_abs.params, frozen_abs, ids, mask, key, levels)
     final = jax.ShapeDtypeStruct((batch,) + ro.next_states.shape[2:], ro.next_states.dtype, sharding=data_sh)
-    slots = objective.slots(options, np.asarray(sampler_levels(s)))
+    slots = objective.slots(options, levels)
     pairs = minibatch_pairs(t, len(slots))
     batch_leaf = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=data_sh if a.ndim and a.shape[0] == batch else rep)  # noqa: E731
-    data = {"rollout": jax.tree_util.tree_map(batch_leaf, ro), "cond": jax.tree_util.tree_map(batch_leaf, cond),
-            "null": jax.tree_util.tree_map(batch_leaf, null),
-            "adv": jax.ShapeDtypeStruct((batch, s.num_steps, 1), jnp.float32, sharding=data_sh)}
+    tokens = None, None
     if objective.uses_reward_model:  # PickScore's token ids (the objective's host-side extras)
-        data.update(reward_ids=jax.ShapeDtypeStruct((batch, 77), jnp.int32, sharding=data_sh),
-                    reward_mask=jax.ShapeDtypeStruct((batch, 77), jnp.bool_, sharding=data_sh))
+        tokens = (jax.ShapeDtypeStruct((batch, 77), jnp.int32, sharding=data_sh), jax.ShapeDtypeStruct((batch, 77), jnp.bool_, sharding=data_sh))
+    data = IterationData(jax.tree_util.tree_map(batch_leaf, ro), jax.tree_util.tree_map(batch_leaf, schedule_of(s, levels)),
+                         jax.ShapeDtypeStruct((batch, s.num_steps, 1), jnp.float32, sharding=data_sh),
+                         jax.tree_util.tree_map(batch_leaf, cond), jax.tree_util.tree_map(batch_leaf, null), key, *tokens)
     index = lambda dtype: jax.ShapeDtypeStruct((pairs,), dtype, sharding=rep)  # noqa: E731
     update_fn = jax.jit(make_update_fn(policy, objective, options, optimizer, config, reward_apply, data_sh),
                         out_shardings=(state_sh, None), donate_argnums=0)
     return SimpleNamespace(
         config=config, mesh=mesh, model=pipe.dit, batch=batch, pairs=pairs, slots=slots, rollout=rollout_fn, decode=jax.jit(world.decode_rows),
         update=update_fn, frozen=frozen_abs, state=state_abs, data=data,
-        rollout_args=(state_abs.params, frozen_abs, ids, mask, key), decode_args=(frozen_abs["vae"], final),
+        rollout_args=(state_abs.params, frozen_abs, ids, mask, key, levels), decode_args=(frozen_abs["vae"], final),
         update_args=(state_abs, frozen_abs, data, index(jnp.int32), index(jnp.int32), index(jnp.float32)),
         init_frozen=jax.jit(init_frozen, out_shardings=frozen_sh), init_state=jax.jit(init_state, out_shardings=state_sh),
         sizes={"frozen": _bytes(frozen), "trainable": _bytes(state.params), "state": _bytes(state)})

@@ -23,8 +23,9 @@ import time
 import jax
 import numpy as np
 
-from flowrl_jax import credit as credit_lib, parallel, rewards, worlds
-from flowrl_jax.rl import programs as steps_lib
+from flowrl_jax import parallel, rewards
+from flowrl_jax.rl import plan as plan_lib, programs as programs_lib
+from flowrl_jax.rl.minibatch import minibatches
 
 
 def _median(fn, repeats: int) -> float:
@@ -58,49 +59,48 @@ def main() -> None:
     overrides = dict(_parse_override(item) for item in args.set)
     config.update_from_flattened_dict(overrides)
     t_cfg, s_cfg = config.train, config.sampler
-    mesh = parallel.make_mesh(config.mesh)
-    world = worlds.build(config)
-    dit, base = world.load()
-    credit = credit_lib.build(config.credit.names, config.credit, config.advantage.global_std, config.advantage.clip)
-    steps = steps_lib.Steps(config, mesh, world, dit, base, credit)
+    plan = plan_lib.make_plan(config)
+    world, mesh = plan.world, plan.mesh
+    programs, frozen, state = programs_lib.build(plan, *world.load())
     batch = t_cfg.prompts_per_iteration * t_cfg.group_size
     prompts = [world.train_prompts[i] for i in world.sample_prompts(t_cfg.prompts_per_iteration, np.random.default_rng(0))
                for _ in range(t_cfg.group_size)]
     ids, mask = parallel.shard_batch(world.tokenize(prompts), mesh)
-    rollout = lambda: steps.rollout(steps.state.params, steps.frozen, ids, mask, jax.random.PRNGKey(0))  # noqa: E731
+    levels = plan.levels_at(0)
+    sched = programs_lib.schedule_of(s_cfg, levels)
+    slots = plan.slots_at(levels)
+    rollout = lambda: programs.rollout(state.params, frozen, ids, mask, jax.random.PRNGKey(0), levels)  # noqa: E731
     rollout_s = _median(rollout, args.repeats)
     ro, cond, null = rollout()
-    reward_fn = rewards.build(t_cfg.rewards)
+    reward_fn = rewards.build(plan.rewards)
     images = np.asarray(ro.final)
     t0 = time.perf_counter()
     reward, _ = reward_fn(images, prompts)
     reward_s = time.perf_counter() - t0
     gids = np.repeat(np.arange(t_cfg.prompts_per_iteration, dtype=np.int32), t_cfg.group_size)
-    extras = credit.prepare(steps.context(steps.state, ro, cond, null, prompts, reward_fn))
-    adv, _, keep = steps.credit(ro, parallel.shard_batch(reward, mesh), parallel.shard_batch(gids, mesh),
-                                t_cfg.prompts_per_iteration, steps.state.credit, extras, jax.random.PRNGKey(0))
-    rows, step_ids, weight = next(steps_lib.minibatches(np.ones(batch, bool), steps.slots, steps.minibatch_size,
-                                                    np.random.default_rng(0)))
-    state = steps.state
-    data = {"rollout": ro, "adv": adv, "cond": cond, "null": null, **steps.objective_extras(prompts)}
+    ctx = programs_lib.credit_context(programs, world, mesh, frozen, state.params, ro, sched, cond, null, prompts, reward_fn)
+    adv, _, keep = programs.credit(ro, sched, parallel.shard_batch(reward, mesh), parallel.shard_batch(gids, mesh),
+                                   t_cfg.prompts_per_iteration, state.credit, plan.credit.prepare(ctx), jax.random.PRNGKey(0))
+    rows, step_ids, weight = next(minibatches(np.ones(batch, bool), slots, plan.minibatch_size, np.random.default_rng(0)))
+    data = programs_lib.iteration_data(programs, ro, sched, adv, cond, null, jax.random.PRNGKey(1), prompts)
 
     def update():
         nonlocal state
-        state, stats = steps.update(state, steps.frozen, data, rows, step_ids, weight)
+        state, stats = programs.update(state, frozen, data, rows, step_ids, weight)  # donates the state it was given
         return stats
 
     update_s = _median(update, args.repeats)
-    pairs = steps.minibatch_size
+    pairs = plan.minibatch_size
     per_iteration = rollout_s + reward_s + t_cfg.num_inner_epochs * t_cfg.minibatches * update_s
     row = dict(config=args.config, overrides={k: repr(v) for k, v in overrides.items()}, batch=batch, num_steps=s_cfg.num_steps,
-               trained_steps=len(steps.slots), cfg=s_cfg.cfg,
+               trained_steps=len(slots), cfg=s_cfg.cfg,
                beta=config.objective.grpo.beta, rollout_s=rollout_s, rollout_images_per_s=batch / rollout_s,
                rollout_dit_calls_per_s=batch * s_cfg.num_steps * (2 if s_cfg.cfg != 1 else 1) / rollout_s,
                reward_s=reward_s, update_pairs=pairs, update_s=update_s, update_pairs_per_s=pairs / update_s,
                iteration_s=per_iteration)
     print(f"{'config':24s} {'B':>4s} {'T':>3s} {'trained':>7s} {'rollout s':>9s} {'img/s':>7s} {'reward s':>8s} "
           f"{'pairs':>6s} {'update s':>8s} {'pairs/s':>8s} {'iter s':>7s}")
-    print(f"{args.config:24s} {batch:4d} {s_cfg.num_steps:3d} {len(steps.slots):7d} {rollout_s:9.2f} "
+    print(f"{args.config:24s} {batch:4d} {s_cfg.num_steps:3d} {len(slots):7d} {rollout_s:9.2f} "
           f"{row['rollout_images_per_s']:7.1f} {reward_s:8.3f} {pairs:6d} {update_s:8.2f} {row['update_pairs_per_s']:8.1f} {per_iteration:7.1f}")
     env = dict(jax=jax.__version__, backend=jax.default_backend(), devices=jax.device_count(), cpu_count=os.cpu_count(),
                machine=platform.machine())

@@ -20,12 +20,12 @@ import platform
 import jax
 import numpy as np
 
-from flowrl_jax import rewards, worlds
-
 from configs import common
+from flowrl_jax import rewards, worlds
+from flowrl_jax.data import shapes
 from flowrl_jax.rl import programs
 from flowrl_jax.rl.policy import Policy
-from flowrl_jax.data import shapes
+from flowrl_jax.sampling.windows import sampler_levels
 
 
 def main() -> None:
@@ -52,8 +52,8 @@ def main() -> None:
         config = common.embedded_train_config()
         config.sampler.update(kind=kind, sde_window=window, noise_level=args.noise_level, same_noise_per_group=False)
         config.train.group_size = args.group
-        fn = jax.jit(programs.make_rollout_fn(policy, world, config))
-        ro, _, _ = fn(base["dit"], base, ids, mask, jax.random.PRNGKey(args.seed))
+        fn = jax.jit(programs.make_rollout(policy, world, config).whole)
+        ro, _, _ = fn(base["dit"], base, ids, mask, jax.random.PRNGKey(args.seed), sampler_levels(config.sampler))
         _, parts = score_fn(np.asarray(ro.final), rows)
         return {"score": float(parts["shapes_score"].mean()), "strict": float(parts["shapes_strict"].mean())}
 

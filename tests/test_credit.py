@@ -10,6 +10,7 @@ from flowrl_jax import credit as credit_lib
 from flowrl_jax.credit import spatial, turning_point
 from flowrl_jax.data import curriculum
 from flowrl_jax.objectives import grpo
+from flowrl_jax.objectives.batch import ParamTrees
 from flowrl_jax.sampling import kernels, rollout, schedule
 from flowrl_jax.rl.policy import PolicyFns
 from tests.conftest import gaussian_velocity
@@ -18,14 +19,16 @@ GROUPS = np.array([0, 0, 0, 1, 1, 1])
 
 
 def _ro(num_steps=4, window=None, b=6, n=4):
-    levels = rollout.noise_levels(num_steps, 0.7, window)
-    return rollout.Rollout(states=jnp.zeros((b, num_steps, 4, 4, 3)), next_states=None, means=None, stds=None,
-                           logp=jnp.zeros((b, num_steps, n)), x0_hat=None, sigmas=schedule.sigmas(num_steps, 1.0), noise_levels=levels)
+    """(a Rollout with the fields credit schemes read, its Schedule)."""
+    ro = rollout.Rollout(states=jnp.zeros((b, num_steps, 4, 4, 3)), next_states=None, means=None, stds=None,
+                         logp=jnp.zeros((b, num_steps, n)), x0_hat=None)
+    return ro, rollout.Schedule(schedule.sigmas(num_steps, 1.0), rollout.noise_levels(num_steps, 0.7, window))
 
 
 def _apply(names, extras, rewards, options=None, state=None, global_std=True):
     credit = credit_lib.build(names, ConfigDict(options or {}), global_std=global_std)
-    inputs = {"rollout": extras.pop("rollout"), "rewards": jnp.asarray(rewards, jnp.float32), "group_ids": jnp.asarray(GROUPS),
+    ro, sched = extras.pop("rollout")
+    inputs = {"rollout": ro, "schedule": sched, "rewards": jnp.asarray(rewards, jnp.float32), "group_ids": jnp.asarray(GROUPS),
               "num_groups": 2, **extras}
     return credit.apply(inputs, credit.init() if state is None else state)
 
@@ -203,23 +206,24 @@ def test_spatial_multiplies_the_incoming_advantage_per_token_with_the_final_imag
 
 
 class _GradientContext:
-    """What spatial.prepare uses of a credit.context.Context: the rollout and a reward-model gradient."""
+    """What spatial.prepare uses of a credit.context.Context: the rollout, its schedule and a reward-model gradient."""
 
-    def __init__(self, ro, gradient):
-        self.rollout, self.reward_gradient, self.calls = ro, lambda x: (self.calls.append(x), gradient(x))[1], []
+    def __init__(self, ro, sched, gradient):
+        self.rollout, self.schedule, self.calls = ro, sched, []
+        self.reward_gradient = lambda x: (self.calls.append(x), gradient(x))[1]
 
 
 def test_spatial_per_step_maps_come_from_each_trained_step_s_tweedie_estimate():
-    """SPEC §3: the map of step t is drawn from the reward gradient at x0_hat_t; untrained steps get w = 1."""
-    ro = _ro(num_steps=4, window=(1, 2), n=4)
+    """docs/math.md §3: the map of step t is drawn from the reward gradient at x0_hat_t; untrained steps get w = 1."""
+    ro, sched = _ro(num_steps=4, window=(1, 2), n=4)
     x0_hat = jax.random.normal(jax.random.PRNGKey(5), (6, 4, 4, 4, 3))
     ro = ro.replace(x0_hat=x0_hat, next_states=x0_hat)
-    ctx = _GradientContext(ro, lambda x: jnp.square(x))  # a 'reward' whose gradient is 2x: x0_hat^2 up to scale
+    ctx = _GradientContext(ro, sched, lambda x: jnp.square(x))  # a 'reward' whose gradient is 2x: x0_hat^2 up to scale
     options = credit_lib.SCHEMES["spatial"].defaults
     extras = spatial.prepare(ctx, ConfigDict(options))
     assert len(ctx.calls) == 2  # one gradient per trained step, none for the others
     r = np.array([0.1, 0.5, 0.9, 0.2, 0.3, 0.7], np.float32)
-    adv, _ = _apply(("uniform", "spatial"), {"rollout": ro, "spatial": extras}, r)
+    adv, _ = _apply(("uniform", "spatial"), {"rollout": (ro, sched), "spatial": extras}, r)
     a = _group_norm(r, group_std=False)
     for t in range(4):
         expected = _np_mad_weights(_np_token_norms(np.asarray(x0_hat[:, t]) ** 2, 2), 2.0, 3.0) if t in (1, 2) else np.ones((6, 4))
@@ -313,7 +317,8 @@ def _lambda_setup(b=6, theta=1.0):
 
     rows, steps = (a.ravel().astype(np.int32) for a in np.meshgrid(np.arange(b), np.arange(5), indexing="ij"))
     adv = jax.random.normal(jax.random.PRNGKey(2), (b, 1, 1))
-    mb = grpo.gather_pairs(ro, adv, jnp.zeros((b, 1)), jnp.zeros((b, 1)), rows, steps, np.ones(len(rows), np.float32))
+    mb = grpo.gather_pairs(ro, rollout.Schedule(sigmas, levels), adv, jnp.zeros((b, 1)), jnp.zeros((b, 1)), rows, steps,
+                           np.ones(len(rows), np.float32))
     options = ConfigDict(dict(clip_range=0.05, beta=0.0, ratio="sample", kl_form="exact", lambda_control=False, ratio_norm=False, patch_size=2,
                               logprob_form="gaussian", num_steps=6, kernel="sde"))
     return mb, PolicyFns(mean_fn, None, None), options, base
@@ -339,7 +344,7 @@ def _np_path_variance(mb, base, theta):
 def test_path_variance_measured_and_predicted_equal_the_closed_form_and_effort_weights_by_hand():
     mb, fns, options, base = _lambda_setup()
     theta = 1.02
-    _, aux = grpo.clipped_loss(theta, 1.0, mb, fns, options)
+    _, aux = grpo.clipped_loss(ParamTrees(theta, 1.0), mb, fns, options)
     v_pair, effort = _np_path_variance(mb, base, theta)
     per_step = np.array([v_pair[np.asarray(mb["step"]) == t].mean() for t in range(5)])
     # measured V comes from the kernel means (their difference ~2% of the mean: float32 cancellation, ~1e-5 relative / 0.02),
@@ -360,7 +365,7 @@ def test_calibrated_ratio_has_zero_mean_log_off_policy_monte_carlo():
     v_pair, _ = _np_path_variance(mb, base, theta)
     steps = np.asarray(mb["step"])
     for opts, shift in ((_lambda(options), 0.0), (options, -0.5)):
-        _, aux = grpo.clipped_loss(theta, 1.0, mb, fns, opts)
+        _, aux = grpo.clipped_loss(ParamTrees(theta, 1.0), mb, fns, opts)
         for t in range(5):
             v = v_pair[steps == t]
             expected = np.mean(np.exp(shift * v + v / (2 * d)))  # E[exp(log rho~)] per pair, averaged
@@ -372,12 +377,12 @@ def test_calibrated_ratio_has_zero_mean_log_off_policy_monte_carlo():
 def test_lambda_budget_drops_the_gradient_of_steps_over_budget():
     """Budget lambda D = eps^2 D = 0.05^2 x 32 = 0.08; which steps exceed it comes from the closed-form V_t."""
     mb, fns, options, base = _lambda_setup()
-    grad = lambda theta, opts: jax.grad(lambda th: grpo.clipped_loss(th, 1.0, mb, fns, _lambda(opts))[0])(theta)  # noqa: E731
+    grad = lambda theta, opts: jax.grad(lambda th: grpo.clipped_loss(ParamTrees(th, 1.0), mb, fns, _lambda(opts))[0])(theta)  # noqa: E731
     steps = np.asarray(mb["step"])
     for theta in (2.5, 1.8):
         v_pair, _ = _np_path_variance(mb, base, theta)
         over = np.array([v_pair[steps == t].mean() > 0.08 for t in range(5)])
-        _, aux = grpo.clipped_loss(theta, 1.0, mb, fns, _lambda(options))
+        _, aux = grpo.clipped_loss(ParamTrees(theta, 1.0), mb, fns, _lambda(options))
         assert float(aux["over_budget_fraction"]) == pytest.approx(over[steps].mean())
         if over.all():
             assert float(grad(theta, options)) == 0.0  # no step within budget: no gradient that round

@@ -10,6 +10,7 @@ safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 from flowrl_jax import rewards  # noqa: E402
 from flowrl_jax.jobs import train  # noqa: E402
+from flowrl_jax.rl import plan as plan_lib  # noqa: E402
 from flowrl_jax.config_lib import ConfigError  # noqa: E402
 from flowrl_jax.models import clip  # noqa: E402
 from flowrl_jax.rewards import device  # noqa: E402
@@ -85,7 +86,7 @@ def test_host_and_device_rewards_mix_and_each_part_is_reported(models):
     np.testing.assert_array_equal(total, 2.0 * parts["pickscore"] + 0.5 * parts["jpeg_compressibility"])
 
 
-def test_device_reward_folders_are_checked_before_compiling(models, tmp_path, capsys):
+def test_device_reward_folders_are_checked_before_compiling(models, tmp_path):
     folders, _, _ = models
     fields = {"train.rewards": (("pickscore", 1.0),)}
     with pytest.raises(ConfigError, match=r"--config.world.reward_models.pickscore="):
@@ -97,9 +98,8 @@ def test_device_reward_folders_are_checked_before_compiling(models, tmp_path, ca
     with pytest.raises(ValueError, match=r"layers.0.weight \[out, 24\]"):
         device.read_aesthetic_mlp(str(tmp_path / "bad.npz"), PROJ)
     config = load_config("configs/sd35m_pickscore.py")  # no PickScore folder: the preset falls back, and says so
-    train.use_fallback_rewards(config)
-    assert tuple(config.train.rewards) == (("jpeg_compressibility", 1.0),)
-    assert "--config.world.reward_models.pickscore" in capsys.readouterr().err
+    used, warning = plan_lib.train_rewards(config)
+    assert used == (("jpeg_compressibility", 1.0),) and "--config.world.reward_models.pickscore" in warning
+    assert tuple(config.train.rewards) == (("pickscore", 1.0),)  # the config itself is left as it is
     config = load_config("configs/sd35m_pickscore.py", **{"world.reward_models.pickscore": folders["pickscore"]})
-    train.use_fallback_rewards(config)
-    assert tuple(config.train.rewards) == (("pickscore", 1.0),)
+    assert plan_lib.train_rewards(config) == ((("pickscore", 1.0),), None)

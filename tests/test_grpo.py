@@ -10,9 +10,10 @@ from ml_collections import ConfigDict
 from flowrl_jax import credit as credit_lib
 from flowrl_jax.credit import group
 from flowrl_jax.objectives import grpo
+from flowrl_jax.objectives.batch import ParamTrees
 from flowrl_jax.sampling import kernels, rollout, schedule
 from flowrl_jax.rl.policy import PolicyFns
-from flowrl_jax.rl.programs import minibatches
+from flowrl_jax.rl.minibatch import minibatches
 from tests.conftest import gaussian_velocity
 
 
@@ -32,13 +33,14 @@ def test_group_advantages_against_numpy():
 
 def test_uniform_credit_and_dropping_all_zero_samples():
     r = jnp.array([0.3, 0.3, 0.1, 0.9])  # group 0 has no spread: its samples carry no signal
-    ro = rollout.Rollout(*[None] * 6, sigmas=schedule.sigmas(4, 1.0), noise_levels=rollout.noise_levels(4, 0.7, (1, 2)))
+    sched = rollout.Schedule(schedule.sigmas(4, 1.0), rollout.noise_levels(4, 0.7, (1, 2)))
     credit = credit_lib.build(("uniform",), ConfigDict())
-    adv, _ = credit.apply({"rollout": ro, "rewards": r, "group_ids": jnp.array([0, 0, 1, 1]), "num_groups": 2}, credit.init())
+    adv, _ = credit.apply({"rollout": rollout.Rollout(*[None] * 6), "schedule": sched, "rewards": r, "group_ids": jnp.array([0, 0, 1, 1]),
+                           "num_groups": 2}, credit.init())
     a = group.group_advantages(r, jnp.array([0, 0, 1, 1]), 2)
     assert adv.shape == (4, 4, 1)
     np.testing.assert_allclose(adv, jnp.broadcast_to(a[:, None, None], (4, 4, 1)))
-    np.testing.assert_array_equal(credit_lib.kept_samples(adv, ro.trained), [False, False, True, True])
+    np.testing.assert_array_equal(credit_lib.kept_samples(adv, sched.trained), [False, False, True, True])
     with pytest.raises(ValueError, match="unknown credit scheme"):
         credit_lib.build(("uniform", "nope"), ConfigDict())
 
@@ -69,7 +71,7 @@ def _setup(kind="sde", b=6, seed=0):
     rows, steps = (a.ravel().astype(np.int32) for a in np.meshgrid(np.arange(b), np.arange(6), indexing="ij"))
     adv = jax.random.normal(jax.random.PRNGKey(seed + 2), (b, 1, 1))
     cond = jnp.zeros((b, 1))
-    mb = grpo.gather_pairs(ro, adv, cond, cond, rows, steps, np.ones(len(rows), np.float32))
+    mb = grpo.gather_pairs(ro, rollout.Schedule(SIGMAS, LEVELS), adv, cond, cond, rows, steps, np.ones(len(rows), np.float32))
     return ro, mb, mean_fn, adv
 
 
@@ -81,7 +83,7 @@ def _options(**kw):
 def test_uniform_per_sample_loss_reproduces_flow_grpo():
     ro, mb, mean_fn, adv = _setup()
     theta, eps, beta = 1.05, 0.01, 0.04
-    loss, aux = grpo.clipped_loss(theta, 1.0, mb, PolicyFns(mean_fn, None, None), _options())
+    loss, aux = grpo.clipped_loss(ParamTrees(theta, 1.0), mb, PolicyFns(mean_fn, None, None), _options())
     # Flow-GRPO written out: per-sample log-prob = mean over all elements of norm.logpdf
     mean, std, _ = mean_fn(theta, mb)
     s = np.asarray(std)[:, None, None, None]
@@ -103,7 +105,7 @@ def test_grpo_guard_ratio_norm_is_the_noise_projection_of_the_mean_change_divide
     # float64 from the rollout's states and the two kernel means, without any log-density; each term is divided by |dt|.
     ro, mb, mean_fn, adv = _setup()
     theta, eps = 1.3, 2e-4
-    loss, aux = grpo.clipped_loss(theta, 1.0, mb, PolicyFns(mean_fn, None, None), _options(beta=0.0, clip_range=eps, ratio_norm=True))
+    loss, aux = grpo.clipped_loss(ParamTrees(theta, 1.0), mb, PolicyFns(mean_fn, None, None), _options(beta=0.0, clip_range=eps, ratio_norm=True))
     mean, std, _ = mean_fn(theta, mb)
     std64 = np.asarray(mb["std"], np.float64)[:, None, None, None]
     noise = (np.asarray(mb["x_next"], np.float64) - np.asarray(mb["mean_old"], np.float64)) / std64
@@ -130,14 +132,14 @@ def test_grpo_guard_ratio_norm_is_the_noise_projection_of_the_mean_change_divide
     assert np.min(np.abs(np.abs(rho - 1) - eps) - e) > 0, "a pair within rounding of the clip boundary: pick another case"
     assert round(float(aux["clipfrac"]) * len(rho)) == int(clipped.sum())
     assert 0 < float(aux["clipfrac"]) < 1  # both branches of the clip are exercised
-    plain, _ = grpo.clipped_loss(theta, 1.0, mb, PolicyFns(mean_fn, None, None), _options(beta=0.0, clip_range=eps))
+    plain, _ = grpo.clipped_loss(ParamTrees(theta, 1.0), mb, PolicyFns(mean_fn, None, None), _options(beta=0.0, clip_range=eps))
     assert abs(float(plain) - expected) > 100 * atol  # the normalisation is not a no-op on this case
 
 
 @pytest.mark.parametrize("ratio", ["sample", "token"])
 def test_on_policy_ratio_is_one_and_the_loss_is_minus_the_mean_advantage(ratio):
     ro, mb, mean_fn, adv = _setup(kind="cps")
-    loss, aux = grpo.clipped_loss(1.0, 1.0, mb, PolicyFns(mean_fn, None, None), _options(ratio=ratio, kernel="cps"))
+    loss, aux = grpo.clipped_loss(ParamTrees(1.0, 1.0), mb, PolicyFns(mean_fn, None, None), _options(ratio=ratio, kernel="cps"))
     np.testing.assert_allclose(aux["ratio_mean_per_step"], 1.0, atol=2e-5)
     np.testing.assert_allclose(aux["ratio_std_per_step"], 0.0, atol=2e-5)
     assert float(aux["clipfrac"]) == 0.0 and float(aux["kl"]) == 0.0 and float(aux["approx_kl"]) < 1e-10
@@ -146,8 +148,8 @@ def test_on_policy_ratio_is_one_and_the_loss_is_minus_the_mean_advantage(ratio):
 
 def test_kl_is_the_gaussian_kl_and_the_flow_grpo_form_drops_sqrt_dt():
     ro, mb, mean_fn, _ = _setup()
-    _, aux = grpo.clipped_loss(1.1, 1.0, mb, PolicyFns(mean_fn, None, None), _options(beta=1.0))
-    _, aux_compat = grpo.clipped_loss(1.1, 1.0, mb, PolicyFns(mean_fn, None, None), _options(beta=1.0, kl_form="flow_grpo"))
+    _, aux = grpo.clipped_loss(ParamTrees(1.1, 1.0), mb, PolicyFns(mean_fn, None, None), _options(beta=1.0))
+    _, aux_compat = grpo.clipped_loss(ParamTrees(1.1, 1.0), mb, PolicyFns(mean_fn, None, None), _options(beta=1.0, kl_form="flow_grpo"))
     # the closed-form KL(N(m1, s1^2) || N(m2, s2^2)) per element, averaged like the objective
     mean, std, _ = mean_fn(1.1, mb)
     ref, _, _ = mean_fn(1.0, mb)
@@ -162,8 +164,8 @@ def test_kl_is_the_gaussian_kl_and_the_flow_grpo_form_drops_sqrt_dt():
 def test_token_ratio_with_token_constant_advantage_has_the_per_sample_gradient_on_policy():
     # On policy, d/dtheta mean_k(rho_k A) = A d/dtheta mean_k l_k = the per-sample ratio's gradient.
     ro, mb, mean_fn, _ = _setup()
-    g_sample = jax.grad(lambda th: grpo.clipped_loss(th, 1.0, mb, PolicyFns(mean_fn, None, None), _options(beta=0.0))[0])(1.0)
-    g_token = jax.grad(lambda th: grpo.clipped_loss(th, 1.0, mb, PolicyFns(mean_fn, None, None), _options(beta=0.0, ratio="token"))[0])(1.0)
+    g_sample = jax.grad(lambda th: grpo.clipped_loss(ParamTrees(th, 1.0), mb, PolicyFns(mean_fn, None, None), _options(beta=0.0))[0])(1.0)
+    g_token = jax.grad(lambda th: grpo.clipped_loss(ParamTrees(th, 1.0), mb, PolicyFns(mean_fn, None, None), _options(beta=0.0, ratio="token"))[0])(1.0)
     np.testing.assert_allclose(g_token, g_sample, rtol=1e-4)
     assert abs(float(g_sample)) > 0
 

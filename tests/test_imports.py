@@ -114,8 +114,37 @@ def test_the_package_root_holds_at_most_twelve_modules():
     assert len(root_modules) <= 12, root_modules
 
 
+def _room(module: str) -> str:
+    """docs/design.md's room of a module: `infrastructure` for the first level of ROOMS, else its package under flowrl_jax."""
+    return "infrastructure" if module in ROOMS[0] else module.split(".")[1]
+
+
+def room_graph(graph: dict) -> dict[str, set[str]]:
+    """{room: the other rooms its modules import}."""
+    out = {_room(m): set() for m in graph}
+    for m, deps in graph.items():
+        out[_room(m)] |= {_room(t) for t in deps if t in MODULES and _room(t) != _room(m)}
+    return out
+
+
+def design_table(text: str) -> dict[str, set[str]]:
+    """{room: the rooms it imports} from the table of docs/design.md's "Rooms" section (first and last columns)."""
+    section = text.split("## Rooms", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| `")]
+    return {cells[0].strip().strip("`"): {r.strip() for r in cells[-1].split(",") if r.strip() not in ("", "—")} for cells in rows}
+
+
+def test_the_design_doc_draws_the_house_the_imports_draw():
+    """docs/design.md's rooms table names every room and, for each, exactly the rooms its modules import."""
+    with open(os.path.join(os.path.dirname(ROOT), "docs", "design.md")) as f:
+        declared = design_table(f.read())
+    actual = room_graph(GRAPH)
+    assert declared == actual, {r: (sorted(declared.get(r, ())), sorted(actual.get(r, ()))) for r in declared.keys() | actual.keys()
+                                if declared.get(r) != actual.get(r)}
+
+
 def test_the_checks_see_a_circle_and_an_upward_arrow():
-    """The two rules on a graph with a planted circle and an arrow up (so that neither check passes vacuously)."""
+    """The rules on a graph with a planted circle, an arrow up and an arrow the design doc lacks (no check passes vacuously)."""
     global GRAPH
     saved = GRAPH
     try:
@@ -125,6 +154,9 @@ def test_the_checks_see_a_circle_and_an_upward_arrow():
         GRAPH = {**saved, "flowrl_jax.sampling.kernels": saved["flowrl_jax.sampling.kernels"] | {"flowrl_jax.sampling.rollout"}}
         with pytest.raises(AssertionError, match="import circles"):
             test_no_import_circles()
+        GRAPH = {**saved, "flowrl_jax.models.lora": saved["flowrl_jax.models.lora"] | {"flowrl_jax.data.shapes"}}
+        with pytest.raises(AssertionError, match="models"):  # an arrow the design doc does not draw
+            test_the_design_doc_draws_the_house_the_imports_draw()
     finally:
         GRAPH = saved
 

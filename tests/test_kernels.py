@@ -41,12 +41,13 @@ def test_token_logprob_is_the_mean_of_norm_logpdf_over_each_token(kind):
 @pytest.mark.parametrize("kind", ["sde", "cps", "lc"])
 def test_on_policy_ratio_is_exactly_one(kind):
     x_T = _state(seed=2)
-    ro = rollout.rollout(VELOCITY, x_T, SIGMAS, rollout.noise_levels(10, 0.7), jax.random.PRNGKey(3), kind, patch_size=2)
+    levels = rollout.noise_levels(10, 0.7)
+    ro = rollout.rollout(VELOCITY, x_T, SIGMAS, levels, jax.random.PRNGKey(3), kind, patch_size=2)
     b, t = ro.states.shape[:2]
     flat = lambda a: a.reshape((b * t,) + a.shape[2:])  # noqa: E731
     steps = jnp.tile(jnp.arange(t), b)
     mean, std, _ = kernels.transition(kind, VELOCITY, flat(ro.states), SIGMAS[steps], SIGMAS[steps + 1],
-                                      ro.noise_levels[steps], SIGMAS[1])
+                                      levels[steps], SIGMAS[1])
     l = kernels.token_logprob(flat(ro.next_states), mean, std, 2)
     # Same float32 formulas on the same x' on both sides; XLA's FMA fusion inside the scan moves the mean by <= 2 eps max|x|,
     # hence each log-density by |z| 2 eps max|x| / std (z = (x' - mean) / std; a token's mean |z| <= 2), plus each side's

@@ -1,4 +1,4 @@
-"""The memory plan's knobs (steps.py): the rollout sampled in row chunks (`train.rollout_chunk`) and the update's
+"""The memory plan's knobs (rl/programs.py): the rollout sampled in row chunks (`train.rollout_chunk`) and the update's
 gradient accumulated over microbatches (`train.microbatch`), on the 8-device mesh, against the same computation
 without them."""
 from types import SimpleNamespace
@@ -11,10 +11,12 @@ import pytest
 from jax.scipy.stats import norm
 from jax.sharding import PartitionSpec as P
 
-from flowrl_jax import credit as credit_lib, parallel, worlds
-
 from configs import common
-from flowrl_jax.rl.programs import Steps, make_update_fn, minibatches
+from flowrl_jax import parallel
+from flowrl_jax.objectives.batch import IterationData
+from flowrl_jax.rl import plan as plan_lib, programs as programs_lib
+from flowrl_jax.rl.minibatch import minibatches
+from flowrl_jax.rl.programs import make_update_fn
 from tests.conftest import load_config
 
 EPS = float(np.finfo(np.float32).eps)
@@ -23,19 +25,16 @@ TINY = {"sampler.num_steps": 3, "train.prompts_per_iteration": 2, "train.group_s
         "min_fsdp_size": 64}
 
 
-def _steps(base, **fields):
-    config = load_config("configs/flow_grpo.py", **{"world.base": base, **TINY, **fields})
-    mesh = parallel.make_mesh(config.mesh)
-    world = worlds.build(config)
-    dit, params = world.load()
-    credit = credit_lib.build(config.credit.names, config.credit, config.advantage.global_std, config.advantage.clip)
-    return config, world, Steps(config, mesh, world, dit, params, credit)
+def _run(base, **fields):
+    """(plan, programs, frozen, the step-0 state) of the TINY config on `base`."""
+    plan = plan_lib.make_plan(load_config("configs/flow_grpo.py", **{"world.base": base, **TINY, **fields}))
+    return (plan, *programs_lib.build(plan, *plan.world.load()))
 
 
-def _batch(config, world, steps):
-    t = config.train
+def _batch(plan):
+    t, world = plan.config.train, plan.world
     prompts = [world.train_prompts[i] for i in range(t.prompts_per_iteration) for _ in range(t.group_size)]
-    return prompts, parallel.shard_batch(world.tokenize(prompts), steps.mesh)
+    return prompts, parallel.shard_batch(world.tokenize(prompts), plan.mesh)
 
 
 def test_row_chunks_take_rows_from_every_shard_and_come_back_in_place():
@@ -63,21 +62,27 @@ def test_chunked_rollout_equals_the_whole_batch_rollout(smoke_base):
     """ODE rollouts have no step noise: chunked and whole-batch rollouts are the same computation on the same rows,
     in other batch sizes. The SDE rollout's chunks draw their own step noise; each row's log-prob is still its
     Gaussian density, and its condition is its own prompt's."""
-    config, world, whole = _steps(smoke_base, **{"sampler.kind": "ode", "sampler.same_noise_per_group": False})
-    _, _, chunked = _steps(smoke_base, **{"sampler.kind": "ode", "sampler.same_noise_per_group": False, "train.rollout_chunk": 8})
-    _, (ids, mask) = _batch(config, world, whole)
-    rng = jax.random.PRNGKey(3)
-    a = whole.rollout(whole.state.params, whole.frozen, ids, mask, rng)
-    b = chunked.rollout(chunked.state.params, chunked.frozen, ids, mask, rng)
+    ode = {"sampler.kind": "ode", "sampler.same_noise_per_group": False, "objective.name": "advantage_flow"}  # an ODE objective
+    plan, whole, frozen, state = _run(smoke_base, **ode)
+    _, chunked, frozen_c, state_c = _run(smoke_base, **ode, **{"train.rollout_chunk": 8})
+    _, (ids, mask) = _batch(plan)
+    rng, levels = jax.random.PRNGKey(3), plan.levels_at(0)
+    a = whole.rollout(state.params, frozen, ids, mask, rng, levels)
+    b = chunked.rollout(state_c.params, frozen_c, ids, mask, rng, levels)
+    c = chunked.rollout(state_c.params, frozen_c, ids, mask, rng, levels, on_chunk=lambda i, out: None)  # chunk by chunk
     # 3 Euler steps of a 6-block DiT in float32 at batch 16 vs 8: the matmuls' rows are the same dot products, blocked
     # differently at most: ~1e3 accumulated roundings of EPS per step relative to the state's scale (the bound of
     # test_rollout's sharded test, 8 x 2800 EPS). A row taken from another chunk or prompt moves a state by O(1).
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-        np.testing.assert_allclose(x, y, rtol=0, atol=8 * 2800 * EPS * max(np.abs(np.asarray(y)).max(), 1.0))  # blocking, above
+    # The host-driven chunks (one call per chunk, what train.score_while_sampling runs) are the same chunk function compiled
+    # on its own rather than inside the loop over chunks: the same bound.
+    for x, y, z in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), jax.tree_util.tree_leaves(c)):
+        bound = 8 * 2800 * EPS * max(np.abs(np.asarray(y)).max(), 1.0)  # blocking, above
+        np.testing.assert_allclose(x, y, rtol=0, atol=bound)
+        np.testing.assert_allclose(z, y, rtol=0, atol=bound)
 
-    config, world, sde = _steps(smoke_base, **{"train.rollout_chunk": 8})
-    _, (ids, mask) = _batch(config, world, sde)
-    ro, cond, _ = sde.rollout(sde.state.params, sde.frozen, ids, mask, rng)
+    plan, sde, frozen, state = _run(smoke_base, **{"train.rollout_chunk": 8})
+    _, (ids, mask) = _batch(plan)
+    ro, cond, _ = sde.rollout(state.params, frozen, ids, mask, rng, plan.levels_at(0))
     p = sde.policy.dit.patch_size
     std = np.asarray(ro.stds)[:, :, None, None, None]
     density = norm.logpdf(np.asarray(ro.next_states), np.asarray(ro.means), std)  # [B, T, H, W, C]
@@ -85,7 +90,7 @@ def test_chunked_rollout_equals_the_whole_batch_rollout(smoke_base):
     per_token = density.reshape(b_, t_, h // p, p, w // p, p, c).sum((3, 5, 6)).reshape(b_, t_, -1) / (p * p * c)
     # per-token mean log-density: float32 Gaussian terms of size ~|log std| ~ 10, summed over p^2 C = 48 elements
     np.testing.assert_allclose(ro.logp, per_token, rtol=0, atol=48 * 10 * EPS * 10)  # 48 terms of ~10, x10 margin
-    expected = world.encode(sde.frozen, ids, mask)
+    expected = plan.world.encode(frozen, ids, mask)
     np.testing.assert_allclose(cond[0], expected[0], rtol=0, atol=1e-5)  # the same encoder on the same rows (batch 8 vs 16)
     assert not np.allclose(np.asarray(ro.final[:8]), np.asarray(ro.final[8:16]))
 
@@ -93,14 +98,17 @@ def test_chunked_rollout_equals_the_whole_batch_rollout(smoke_base):
 def test_microbatched_update_has_the_whole_minibatch_gradient(smoke_base):
     """One SGD step (lr 1) moves the params by minus the gradient: with 4 microbatches it must equal the gradient of
     the whole minibatch (grpo's loss is a weighted mean over pairs), and so must the loss and the mean stats."""
-    config, world, steps = _steps(smoke_base)
-    prompts, (ids, mask) = _batch(config, world, steps)
-    ro, cond, null = steps.rollout(steps.state.params, steps.frozen, ids, mask, jax.random.PRNGKey(0))
-    rewards = parallel.shard_batch(np.linspace(0, 1, len(prompts), dtype=np.float32)[::-1].copy(), steps.mesh)
-    gids = parallel.shard_batch(np.repeat(np.arange(2, dtype=np.int32), 8), steps.mesh)
-    adv, _, keep = steps.credit(ro, rewards, gids, 2, steps.state.credit, {}, jax.random.PRNGKey(1))
-    data = {"rollout": ro, "adv": adv, "cond": cond, "null": null}
-    rows, slots, weight = next(minibatches(np.asarray(keep), steps.slots, steps.minibatch_size, np.random.default_rng(0)))
+    plan, programs, frozen, state = _run(smoke_base)
+    config = plan.config
+    prompts, (ids, mask) = _batch(plan)
+    levels = plan.levels_at(0)
+    ro, cond, null = programs.rollout(state.params, frozen, ids, mask, jax.random.PRNGKey(0), levels)
+    sched = programs_lib.schedule_of(config.sampler, levels)
+    rewards = parallel.shard_batch(np.linspace(0, 1, len(prompts), dtype=np.float32)[::-1].copy(), plan.mesh)
+    gids = parallel.shard_batch(np.repeat(np.arange(2, dtype=np.int32), 8), plan.mesh)
+    adv, _, keep = programs.credit(ro, sched, rewards, gids, 2, state.credit, {}, jax.random.PRNGKey(1))
+    data = IterationData(ro, sched, adv, cond, null, jax.random.PRNGKey(2))
+    rows, slots, weight = next(minibatches(np.asarray(keep), plan.slots_at(levels), plan.minibatch_size, np.random.default_rng(0)))
     weight = weight.copy()
     weight[-5:] = 0.0  # padding pairs, unevenly spread over the microbatches
     assert len(rows) == 48
@@ -110,10 +118,11 @@ def test_microbatched_update_has_the_whole_minibatch_gradient(smoke_base):
         cfg = config.copy_and_resolve_references()
         cfg.train.microbatch = microbatch
         sgd = optax.sgd(1.0)
-        update = jax.jit(make_update_fn(steps.policy, steps.objective, steps.options, sgd, cfg, None, parallel.batch_sharding(steps.mesh)))
-        state = steps.state.replace(opt_state=sgd.init(steps.state.params))
-        new, stats = update(state, steps.frozen, data, rows, slots, weight)
-        grads = jax.tree_util.tree_map(lambda p, q: np.asarray(p) - np.asarray(q), state.params, new.params)
+        update = jax.jit(make_update_fn(programs.policy, plan.objective, plan.loss_options(programs.policy.dit.patch_size), sgd, cfg,
+                                        None, parallel.batch_sharding(plan.mesh)))
+        start = state.replace(opt_state=sgd.init(state.params))
+        new, stats = update(start, frozen, data, rows, slots, weight)
+        grads = jax.tree_util.tree_map(lambda p, q: np.asarray(p) - np.asarray(q), start.params, new.params)
         outs.append((np.concatenate([g.ravel() for g in jax.tree_util.tree_leaves(grads)]), stats))
     (g0, s0), (g1, s1) = outs
     scale = np.abs(g0).max()

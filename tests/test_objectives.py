@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from flowrl_jax.objectives import advantage_flow, leap, nft
+from flowrl_jax.objectives.batch import ParamTrees
 from flowrl_jax.rl.policy import PolicyFns
 from flowrl_jax.sampling import schedule
 from tests.conftest import gaussian_velocity
@@ -128,9 +129,9 @@ def test_nft_loss_scale_and_kl_term_equal_nvlabs_formula_in_float64():
     policy, old, ref = {"a": 0.7, "c": 0.1}, {"a": 0.5, "c": 0.0}, {"a": 0.3, "c": -0.2}
     options = {**nft.DEFAULTS, "beta": 0.8, "beta_kl": 0.05, "adv_clip_max": 4.0}
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
-    mb = {"x_t": f32(x_t), "x0": f32(x0), "t": f32(t), "adv": f32(adv), "weight": f32(weight),
-          "old_variables": {k: f32(v) for k, v in old.items()}}
-    got, aux = nft.loss({k: f32(v) for k, v in policy.items()}, {k: f32(v) for k, v in ref.items()}, mb, Fns, options)
+    mb = {"x_t": f32(x_t), "x0": f32(x0), "t": f32(t), "adv": f32(adv), "weight": f32(weight)}
+    trees = ParamTrees(*({k: f32(v) for k, v in p.items()} for p in (policy, ref, old)))
+    got, aux = nft.loss(trees, mb, Fns, options)
 
     v, v_old, v_ref = (p["a"] * x_t + p["c"] for p in (policy, old, ref))
     b, tt = 0.8, t[:, None, None, None]
@@ -161,7 +162,7 @@ def test_nft_old_policy_decay_schedules_at_hand_computed_steps():
 def test_old_policy_follows_by_the_decay_at_the_optimizer_steps_done_not_the_iterations():
     """NVlabs' `return_decay(global_step)` counts gradient steps: after 3 iterations of 7 optimizer steps in all,
     "linear" gives d = 0.007, so `old <- 0.007 old + 0.993 params` (by hand; 3 iterations would give 0.003)."""
-    from flowrl_jax.rl.programs import TrainState, update_old_policy
+    from flowrl_jax.rl.state import TrainState, update_old_policy
     state = TrainState(step=jnp.array(3), updates=jnp.array(7), params={"w": jnp.full((2,), 2.0)}, ema=None, opt_state=None,
                        credit={}, old={"w": jnp.zeros((2,))})
     new = update_old_policy(state, lambda n: nft.old_policy_decay(n, {"decay": "linear"}))
@@ -177,11 +178,11 @@ def test_nft_sampler_times_give_each_sample_distinct_sampler_timesteps():
     options = {"times": "sampler", "timesteps": 9, "num_steps": 10, "shift": 1.0}
     sigmas = np.asarray(schedule.sigmas(10, 1.0))[:-1]
     rows, slots = (a.ravel() for a in np.meshgrid(np.arange(6), np.arange(9), indexing="ij"))
-    t = np.asarray(forward.pair_times({"key": jax.random.PRNGKey(0)}, jnp.asarray(rows), jnp.asarray(slots), options)).reshape(6, 9)
+    t = np.asarray(forward.pair_times(jax.random.PRNGKey(0), jnp.asarray(rows), jnp.asarray(slots), options)).reshape(6, 9)
     for row in t:
         assert len(set(row.tolist())) == 9 and set(row.tolist()) <= set(sigmas.tolist())  # 9 distinct sampler times
     assert len({tuple(row) for row in t}) > 1
-    again = forward.pair_times({"key": jax.random.PRNGKey(0)}, jnp.asarray(rows[::-1].copy()), jnp.asarray(slots[::-1].copy()), options)
+    again = forward.pair_times(jax.random.PRNGKey(0), jnp.asarray(rows[::-1].copy()), jnp.asarray(slots[::-1].copy()), options)
     np.testing.assert_array_equal(np.asarray(again)[::-1].reshape(6, 9), t)  # a pair's time does not depend on its minibatch
 
 
@@ -206,7 +207,7 @@ def _ode_trajectory(params, x_T, sigmas):
     return jnp.stack(states, 1), x
 
 
-def _reward(x, mb=None):
+def _reward(x):
     return -jnp.mean(jnp.square(x - 0.3), axis=(1, 2, 3))
 
 
@@ -227,8 +228,8 @@ def test_leap_connectors_give_the_real_trajectory_and_the_loss_value_is_the_real
     x0_tilde, x_j_hat, _ = leap.two_leaps(velocity, mb["x_k"], mb["x_j"], x0, mb["sigma_k"], mb["sigma_j"], 0.5)
     np.testing.assert_allclose(x0_tilde, x0, rtol=0, atol=1e-6)
     assert float(jnp.abs(x_j_hat - mb["x_j"]).max()) > 1e-3  # the leap itself is off the path; the connector fixes it
-    fns = PolicyFns(None, lambda p, x, s, mb: _mlp(p, x, s), _reward)
-    value, aux = leap.loss(params, None, mb, fns, {**leap.DEFAULTS, "gamma": 0.5, "tau": 0.01})
+    fns = PolicyFns(None, lambda p, x, s, mb: _mlp(p, x, s), lambda _, x, mb: _reward(x))
+    value, aux = leap.loss(ParamTrees(params, None), mb, fns, {**leap.DEFAULTS, "gamma": 0.5, "tau": 0.01})
     e = np.mean((np.asarray(x_j_hat, np.float64) - np.asarray(mb["x_j"], np.float64)) ** 2, axis=(1, 2, 3))
     w = np.exp(-(e - e.min()) / 0.01) / np.exp(-(e - e.min()) / 0.01).sum()  # softmax by hand, float64
     np.testing.assert_allclose(float(value), float(-np.sum(w * np.asarray(_reward(x0), np.float64))), rtol=1e-5)
@@ -238,9 +239,9 @@ def test_leap_anchor_adds_beta_times_the_velocity_gap_to_the_reference_at_x_k():
     """`beta_kl` adds `beta * mean_b mean_e (v_theta(x_k) - v_ref(x_k))^2`, checked in float64 by hand."""
     params, ref = (_mlp_params(jax.random.PRNGKey(i), 2 * 2 * 3) for i in (0, 7))
     mb = _leap_batch(params, jnp.array([1.0, 1.0, 1.0, 0.0]))
-    fns = PolicyFns(None, lambda p, x, s, mb: _mlp(p, x, s), _reward)
-    plain, _ = leap.loss(params, ref, mb, fns, dict(leap.DEFAULTS))
-    anchored, aux = leap.loss(params, ref, mb, fns, {**leap.DEFAULTS, "beta_kl": 0.7})
+    fns = PolicyFns(None, lambda p, x, s, mb: _mlp(p, x, s), lambda _, x, mb: _reward(x))
+    plain, _ = leap.loss(ParamTrees(params, ref), mb, fns, dict(leap.DEFAULTS))
+    anchored, aux = leap.loss(ParamTrees(params, ref), mb, fns, {**leap.DEFAULTS, "beta_kl": 0.7})
     gap = np.asarray(_mlp(params, mb["x_k"], mb["sigma_k"]), np.float64) - np.asarray(_mlp(ref, mb["x_k"], mb["sigma_k"]), np.float64)
     kl = np.mean(np.mean(gap ** 2, axis=(1, 2, 3))[:3])  # the padding row (weight 0) is left out
     assert kl > 1e-3  # the two networks differ, so the check has something to see
@@ -266,8 +267,8 @@ def test_leap_gradient_equals_a_finite_difference_of_the_surrogate():
         gamma, ik, ij = 0.3, 1, 5
         x_k, x_j, s_k, s_j = states[:, ik], states[:, ij], sigmas[ik:ik + 1], sigmas[ij:ij + 1]
         mb = {"x_k": x_k, "x_j": x_j, "x0": x0, "sigma_k": s_k, "sigma_j": s_j, "weight": jnp.ones(1)}
-        fns = PolicyFns(None, lambda p, x, s, mb: _mlp(p, x, s), _reward)
-        grad = jax.grad(lambda p: leap.loss(p, None, mb, fns, {**leap.DEFAULTS, "gamma": gamma, "tau": 0.01})[0])(params)
+        fns = PolicyFns(None, lambda p, x, s, mb: _mlp(p, x, s), lambda _, x, mb: _reward(x))
+        grad = jax.grad(lambda p: leap.loss(ParamTrees(p, None), mb, fns, {**leap.DEFAULTS, "gamma": gamma, "tau": 0.01})[0])(params)
 
         g_r = jax.grad(lambda x: _reward(x).sum())(x0)
         x_j_hat = lambda p: x_k - (s_k - s_j)[:, None, None, None] * _mlp(p, x_k, s_k)  # noqa: E731
@@ -317,7 +318,7 @@ def _temp_bytes(fn, *args) -> int:
 
 def test_leap_update_memory_does_not_grow_with_the_number_of_steps_and_full_backprop_does():
     params = _mlp_params(jax.random.PRNGKey(0), 8 * 8 * 3, hidden=64)
-    fns = PolicyFns(None, lambda p, x, s, mb: _mlp(p, x, s), _reward)
+    fns = PolicyFns(None, lambda p, x, s, mb: _mlp(p, x, s), lambda _, x, mb: _reward(x))
     leap_mem, full_mem = {}, {}
     for steps in (4, 16):
         sigmas = schedule.sigmas(steps, 3.0)
@@ -327,7 +328,7 @@ def test_leap_update_memory_does_not_grow_with_the_number_of_steps_and_full_back
         def leap_grad(p, states, x0, i_k, i_j):
             mb = {"x_k": states[jnp.arange(4), i_k], "x_j": states[jnp.arange(4), i_j], "x0": x0, "sigma_k": sigmas[i_k],
                   "sigma_j": sigmas[i_j], "weight": jnp.ones(4)}
-            return jax.grad(lambda q: leap.loss(q, None, mb, fns, {**leap.DEFAULTS, "gamma": 0.5, "tau": 0.01})[0])(p)
+            return jax.grad(lambda q: leap.loss(ParamTrees(q, None), mb, fns, {**leap.DEFAULTS, "gamma": 0.5, "tau": 0.01})[0])(p)
 
         def full_grad(p, x):  # backprop through every Euler step of the trajectory
             def final(q):

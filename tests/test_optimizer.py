@@ -2,7 +2,7 @@
 import numpy as np
 from ml_collections import ConfigDict
 
-from flowrl_jax.rl.programs import learning_rate
+from flowrl_jax.rl.state import learning_rate
 
 
 def test_cosine_lr_schedule_follows_the_closed_form_and_ends_at_a_tenth():

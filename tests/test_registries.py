@@ -14,9 +14,11 @@ from ml_collections import ConfigDict
 from flowrl_jax import config_lib, credit as credit_lib, main, objectives
 
 from configs import common
+from flowrl_jax.objectives.batch import IterationData, ParamTrees
 from flowrl_jax.rl.policy import PolicyFns
 from flowrl_jax.sampling import kernels, rollout, schedule
-from flowrl_jax.rl.programs import minibatches, sampler_levels
+from flowrl_jax.rl.minibatch import minibatches
+from flowrl_jax.sampling.windows import sampler_levels
 from tests.conftest import gaussian_velocity
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,7 +66,7 @@ def _fns(kind):
         return kernels.transition(kind, lambda x, s: velocity(theta, x, s), mb["x"], mb["sigma"], mb["sigma_next"], mb["level"],
                                   mb["sigma_1"])
 
-    return PolicyFns(mean, velocity, lambda images, mb: -jnp.mean(jnp.square(images - 0.3), axis=(1, 2, 3)))
+    return PolicyFns(mean, velocity, lambda params, images, mb: -jnp.mean(jnp.square(images - 0.3), axis=(1, 2, 3)))
 
 
 def _iteration(name, kind):
@@ -79,22 +81,29 @@ def _iteration(name, kind):
     ro = rollout.rollout(lambda x, s: BASE(x, s), jax.random.normal(jax.random.PRNGKey(0), (B, 4, 4, 2)),
                          schedule.sigmas(T, 1.0), levels, jax.random.PRNGKey(1), kind, patch_size=2)
     rewards = jax.random.uniform(jax.random.PRNGKey(2), (B,))
+    sched = rollout.Schedule(schedule.sigmas(T, 1.0), jnp.asarray(levels))
     credit = credit_lib.build(("uniform",))
-    adv, _ = credit.apply({"rollout": ro, "rewards": rewards, "group_ids": jnp.repeat(jnp.arange(B // G), G), "num_groups": B // G},
-                          credit.init())
-    data = {"rollout": ro, "adv": adv, "cond": jnp.zeros((B, 1)), "null": jnp.zeros((B, 1)), "key": jax.random.PRNGKey(4),
-            "reward_ids": jnp.zeros((B, 2), jnp.int32), "reward_mask": jnp.ones((B, 2), bool)}
+    adv, _ = credit.apply({"rollout": ro, "schedule": sched, "rewards": rewards, "group_ids": jnp.repeat(jnp.arange(B // G), G),
+                           "num_groups": B // G}, credit.init())
+    data = IterationData(ro, sched, adv, jnp.zeros((B, 1)), jnp.zeros((B, 1)), jax.random.PRNGKey(4),
+                         reward_ids=jnp.zeros((B, 2), jnp.int32), reward_mask=jnp.ones((B, 2), bool))
     slots = objective.slots(options, np.asarray(levels))
     rows, slot, weight = next(minibatches(np.ones(B, bool), slots, B * len(slots), np.random.default_rng(0)))
     mb = objective.pairs(data, jnp.asarray(rows), jnp.asarray(slot), jnp.asarray(weight), jax.random.PRNGKey(3), options)
-    if objective.old_policy is not None:
-        mb["old_variables"] = 1.0
     return data, mb, options
 
 
+ON_POLICY_TREES = ParamTrees(1.0, 1.0, old=1.0)  # theta = the reference = the old policy: on policy
+
+
+def _with(mb, **pairs):
+    """`mb` with some per-pair fields replaced."""
+    return mb.replace(pairs={**mb.pairs, **pairs})
+
+
 def _grpo(mb, options, fns):
-    mb = {**mb, "adv": jnp.abs(mb["adv"]) + 0.1}  # group advantages average to ~0: a non-zero mean makes the loss check relative
-    loss, aux = objectives.get("grpo").loss(1.0, 1.0, mb, fns, options)
+    mb = _with(mb, adv=jnp.abs(mb["adv"]) + 0.1)  # group advantages average to ~0: a non-zero mean makes the loss check relative
+    loss, aux = objectives.get("grpo").loss(ON_POLICY_TREES, mb, fns, options)
     # SPEC §7: on policy every ratio is 1 (per-step mean and std over the (sample, step) pairs), nothing is
     # clipped, and the clipped loss is minus the mean advantage. 2e-5: exp of a float32 log-prob difference of
     # two identical computations is exact; the per-step std is a mean of squares of ~1e-7 rounding.
@@ -105,26 +114,27 @@ def _grpo(mb, options, fns):
 
 
 def _advantage_flow(mb, options, fns):
-    _, aux = objectives.get("advantage_flow").loss(1.0, 1.0, mb, fns, options)
+    _, aux = objectives.get("advantage_flow").loss(ON_POLICY_TREES, mb, fns, options)
     assert float(aux["drift_from_rollout_policy"]) == 0.0  # v_theta = v_old exactly on policy
     # and with no advantage the anchored loss has no gradient at the rollout policy
-    zero = {**mb, "adv": jnp.zeros_like(mb["adv"]), "adv_floor": jnp.zeros(())}
-    assert float(jax.grad(lambda th: objectives.get("advantage_flow").loss(th, 1.0, zero, fns, options)[0])(1.0)) == 0.0
+    zero = _with(mb, adv=jnp.zeros_like(mb["adv"])).replace(shared={**mb.shared, "adv_floor": jnp.zeros(())})
+    grad = jax.grad(lambda th: objectives.get("advantage_flow").loss(ParamTrees(th, 1.0, old=1.0), zero, fns, options)[0])(1.0)
+    assert float(grad) == 0.0
 
 
 def _nft(mb, options, fns):
     # On policy the implicit positive and negative policies coincide (v+ = v- = v_old), so the loss does not
     # depend on which samples are positive: flipping every advantage leaves it unchanged (to float rounding).
-    loss = lambda m: objectives.get("nft").loss(1.0, 1.0, m, fns, options)[0]  # noqa: E731
-    flipped = {**mb, "adv": -mb["adv"]}
+    loss = lambda m: objectives.get("nft").loss(ON_POLICY_TREES, m, fns, options)[0]  # noqa: E731
+    flipped = _with(mb, adv=-mb["adv"])
     assert float(jnp.abs(mb["adv"]).max()) > 0.5
     np.testing.assert_allclose(float(loss(flipped)), float(loss(mb)), rtol=1e-6)
 
 
 def _leapalign(mb, options, fns):
     # The connectors make the value the real samples' reward: -sum_b w_b R(x0_b), whatever the leaps.
-    loss, aux = objectives.get("leapalign").loss(1.0, 1.0, mb, fns, options)
-    real = np.asarray(fns.reward(mb["x0"], mb))
+    loss, aux = objectives.get("leapalign").loss(ON_POLICY_TREES, mb, fns, options)
+    real = np.asarray(fns.reward(None, mb["x0"], mb))
     np.testing.assert_allclose(float(aux["learned_reward"]), real.mean(), rtol=1e-5)
     assert real.min() - 1e-6 <= -float(loss) <= real.max() + 1e-6  # a convex combination (softmax weights) of the real rewards
 
@@ -148,9 +158,10 @@ GROUPS = np.repeat(np.arange(2), 4)
 
 
 def _ro(levels):
+    """(a Rollout with the fields credit schemes read, its Schedule)."""
     n = len(levels)
-    return rollout.Rollout(states=jnp.zeros((8, n, 4, 4, 3)), next_states=None, means=None, stds=None, logp=jnp.zeros((8, n, 4)),
-                           x0_hat=None, sigmas=schedule.sigmas(n, 1.0), noise_levels=jnp.asarray(levels, jnp.float32))
+    ro = rollout.Rollout(states=jnp.zeros((8, n, 4, 4, 3)), next_states=None, means=None, stds=None, logp=jnp.zeros((8, n, 4)), x0_hat=None)
+    return ro, rollout.Schedule(schedule.sigmas(n, 1.0), jnp.asarray(levels, jnp.float32))
 
 
 def _group_norm(r, group_std):
@@ -191,7 +202,8 @@ def test_every_credit_scheme_has_a_uniformity_case():
 def test_credit_schemes_leave_a_uniform_advantage_uniform(name):
     names, extras, levels, expected = _credit_case(name)
     credit = credit_lib.build(names, {"adaptive": {"alpha": 1.0}})
-    adv, _ = credit.apply({"rollout": _ro(levels), "rewards": jnp.asarray(R), "group_ids": jnp.asarray(GROUPS), "num_groups": 2,
+    ro, sched = _ro(levels)
+    adv, _ = credit.apply({"rollout": ro, "schedule": sched, "rewards": jnp.asarray(R), "group_ids": jnp.asarray(GROUPS), "num_groups": 2,
                            **extras}, credit.init())
     adv = np.asarray(adv)
     trained = np.asarray(levels) > 0

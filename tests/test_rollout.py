@@ -16,8 +16,9 @@ EPS = float(np.finfo(np.float32).eps)  # 1.19e-7
 def test_window_steps_are_sde_and_the_rest_ode():
     velocity = gaussian_velocity(0.5, 0.4)
     x_T = jax.random.normal(jax.random.PRNGKey(0), (3, 4, 4, 1))
-    ro = rollout.rollout(velocity, x_T, SIGMAS, rollout.noise_levels(8, 0.7, (2, 3)), jax.random.PRNGKey(1), "sde", 2)
-    np.testing.assert_array_equal(ro.trained, [False, False, True, True, True, False, False, False])
+    levels = rollout.noise_levels(8, 0.7, (2, 3))
+    ro = rollout.rollout(velocity, x_T, SIGMAS, levels, jax.random.PRNGKey(1), "sde", 2)
+    np.testing.assert_array_equal(rollout.Schedule(SIGMAS, levels).trained, [False, False, True, True, True, False, False, False])
     assert np.all(ro.stds[:, 2:5] > 0) and np.all(ro.stds[:, [0, 1, 5, 6, 7]] == 0)
     assert np.all(ro.logp[:, [0, 1, 5, 6, 7]] == 0) and np.all(ro.logp[:, 2:5] != 0)
     for t in (0, 6):  # outside the window: Euler, exactly

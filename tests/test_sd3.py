@@ -14,12 +14,11 @@ torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 
-from flowrl_jax import checkpoint, main, parallel  # noqa: E402
+from flowrl_jax import checkpoint, main, parallel, worlds  # noqa: E402
 from flowrl_jax.jobs import train  # noqa: E402
 from flowrl_jax.data import datasets  # noqa: E402
 from flowrl_jax.models import convert  # noqa: E402
 from flowrl_jax.worlds.sd3.pipeline import load_sd3_pipeline  # noqa: E402
-from flowrl_jax.worlds.sd3 import SD3World  # noqa: E402
 from tests.conftest import load_config  # noqa: E402
 
 WORDS = ["a", "photo", "of", "red", "blue", "green", "cat", "dog", "dogs", "on", "the", "table", "two", "circle"]
@@ -157,7 +156,7 @@ def test_train_two_iterations_then_resume_continues_the_prompt_order(sd3, tmp_pa
 
     def recording(job, state, it):  # the loop's own phase, its prompts noted
         batch = sample_prompts(job, state, it)
-        seen.append(list(batch["prompts_local"]))
+        seen.append(list(batch.prompts_local))
         return batch
 
     monkeypatch.setattr(train, "sample_prompts", recording)
@@ -192,7 +191,7 @@ def test_train_two_iterations_then_resume_continues_the_prompt_order(sd3, tmp_pa
 def test_text_cache_equals_encoding_on_the_fly(sd3, tmp_path):
     folder, _ = sd3
     prompts = _prompt_dataset(tmp_path)
-    worlds_ = {cached: SD3World(_config(folder, prompts, **{"world.text_cache": cached})) for cached in (False, True)}
+    worlds_ = {cached: worlds.build(_config(folder, prompts, **{"world.text_cache": cached})) for cached in (False, True)}
     loaded = {cached: w.load()[1] for cached, w in worlds_.items()}
     assert set(loaded[True]["text"]) == {"tokens", "pooled"} and "t5" in loaded[False]["text"]  # the encoders are dropped
     assert loaded[True]["text"]["tokens"].shape == (len(PROMPTS) + 1, CLIP_LEN + T5_LEN, 32)  # 6 prompts + ""
@@ -215,9 +214,9 @@ def test_decoding_in_row_chunks_equals_decoding_at_once(sd3, tmp_path):
     plan's third knob): the images are the decoder's on the same latents, rows in their places."""
     folder, _ = sd3
     prompts = _prompt_dataset(tmp_path)
-    world = SD3World(_config(folder, prompts, **{"train.rollout_chunk": 8}))
+    world = worlds.build(_config(folder, prompts, **{"train.rollout_chunk": 8}))
     params = world.load()[1]
-    mesh = parallel.make_mesh(world.config.mesh)
+    mesh = world.facts.mesh
     latents = parallel.shard_batch(np.asarray(jax.random.normal(jax.random.PRNGKey(0), world.latent_shape(32))), mesh)
     vae = jax.device_put(params["vae"], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     chunked = np.asarray(world.decode({"vae": vae}, latents))
@@ -244,13 +243,13 @@ def test_loading_places_every_weight_shard_by_shard(sd3, tmp_path, monkeypatch):
         return make(shape, sharding, piece, *args, **kwargs)
 
     monkeypatch.setattr(jax, "make_array_from_callback", recording)
-    world = SD3World(config)
+    world = worlds.build(config)
     _, host = world.load()
     assert all(isinstance(a, np.ndarray) for a in jax.tree_util.tree_leaves(host))  # host memory, no device yet
     assert {a.dtype for a in jax.tree_util.tree_leaves((host["dit"], host["vae"]))} == {np.dtype(jnp.bfloat16)}
     mesh = parallel.make_mesh(config.mesh)
     shardings = parallel.tree_shardings(host, mesh, config.partition_rules, config.min_fsdp_size)
-    placed = parallel.put_global(host, shardings)  # as steps.Steps places the frozen tree
+    placed = parallel.put_global(host, shardings)  # as rl/state.place_frozen places the frozen tree
     sharded = [(a, s) for a, s in zip(jax.tree_util.tree_leaves(placed), jax.tree_util.tree_leaves(shardings)) if not s.is_fully_replicated]
     assert len(sharded) >= 20  # the DiT's and the VAE's kernels at min_fsdp_size 64
     for a, s in sharded:
@@ -285,7 +284,7 @@ def test_pickscore_of_decoded_latents_has_the_finite_difference_gradient(sd3, pi
     folder, _ = sd3
     config = _config(folder, _prompt_dataset(tmp_path), **{"train.rewards": (("pickscore", 1.0),),
                                                            "world.reward_models.pickscore": pickscore_folder})
-    world = SD3World(config)
+    world = worlds.build(config)
     world.load()
     apply, params, tokenize = world.reward_model()
     ids, mask = tokenize([{"prompt": p} for p in PROMPTS[:2]])

@@ -60,7 +60,7 @@ def test_torch_reference_matches_flowrl_jax(pair):
     # the second minibatch comes after one AdamW step: the ratio is no longer 1 on either side
     assert float(stats[1]["approx_kl"]) > 0
     # and after both steps the adapters agree (measured: 4e-8 apart; one step moves them by ~lr = 3e-4)
-    ours = flax.traverse_util.flatten_dict(jax.device_get(pair.steps.state.params), sep="/")
+    ours = flax.traverse_util.flatten_dict(jax.device_get(pair.state.params), sep="/")
     theirs = side.adapters()
     assert sorted(ours) == sorted(theirs)
     for path, value in ours.items():

@@ -4,7 +4,7 @@ import pytest
 from ml_collections import ConfigDict
 
 from flowrl_jax.sampling import windows
-from flowrl_jax.rl.programs import sampler_levels
+from flowrl_jax.sampling.windows import sampler_levels
 
 
 def _sampler(num_steps, sde_window, **window):

@@ -5,7 +5,7 @@
     extras = credit.prepare(ctx)                  # host side, once per iteration (credit.context.Context)
     A, state = credit.apply(inputs, state)        # A [B, T, K] (K = 1 or N tokens), jit-compiled
 
-`inputs` is a dict: `rollout` (sampling.rollout.Rollout), `rewards [B]`, `group_ids [B]`,
+`inputs` is a dict: `rollout` (sampling.rollout.Rollout), `schedule` (its `Schedule`), `rewards [B]`, `group_ids [B]`,
 `num_groups`, `normalize` (`(r [B], group_std) -> A [B]`, SPEC §2 with the run's clip), and what each
 scheme's host-side `prepare(ctx, options)` added under its own name (the rewards of Tweedie estimates
 for stepwise credit, of ODE completions for turning points, reward-model gradients for spatial
@@ -43,6 +43,7 @@ class Scheme(NamedTuple):
     needs: frozenset = frozenset()         # ratio granularities the objective must offer: "step", "token"
     debug_images: Callable | None = None   # host side: (ctx, extras, options) -> {stem: metrics.save_grid kwargs}
     check: Callable | None = None          # options -> None; ValueError naming a bad option
+    uses_reward_model: bool = False        # `prepare` differentiates the world's reward model (ctx.reward_gradient)
 
 
 SCHEMES: dict[str, Scheme] = {
@@ -50,7 +51,7 @@ SCHEMES: dict[str, Scheme] = {
     "stepwise": Scheme(stepwise.apply, prepare=stepwise.prepare, needs=frozenset({"step"})),
     "turning_point": Scheme(turning_point.apply, prepare=turning_point.prepare, defaults=turning_point.DEFAULTS, needs=frozenset({"step"})),
     "spatial": Scheme(spatial.apply, prepare=spatial.prepare, defaults=spatial.DEFAULTS, needs=frozenset({"step", "token"}),
-                      debug_images=spatial.debug_images, check=spatial.check),
+                      debug_images=spatial.debug_images, check=spatial.check, uses_reward_model=True),
     "adaptive": Scheme(adaptive.apply, init=adaptive.init, defaults=adaptive.DEFAULTS),
 }
 
@@ -67,6 +68,7 @@ class Credit(NamedTuple):
     apply: Callable[[dict, dict], tuple[Any, dict]]
     prepare: Callable[[Any], dict]       # host side, before `apply`: ctx -> {name: extras} (global arrays)
     debug_images: Callable[[Any, dict], dict]  # host side: (ctx, extras) -> {stem: save_grid kwargs}
+    uses_reward_model: bool = False      # a scheme of the chain differentiates the world's reward model
 
 
 def build(names, options=None, global_std: bool = True, clip: float = 5.0) -> Credit:
@@ -102,14 +104,14 @@ def build(names, options=None, global_std: bool = True, clip: float = 5.0) -> Cr
         new_state = dict(state)
         for n in names:
             adv, new_state[n] = SCHEMES[n].apply(inputs, adv, state[n], opts[n])
-        batch, steps = inputs["rewards"].shape[0], inputs["rollout"].noise_levels.shape[0]
+        batch, steps = inputs["rewards"].shape[0], inputs["schedule"].levels.shape[0]
         chex.assert_rank(adv, 3)
         chex.assert_axis_dimension(adv, 0, batch)
         assert adv.shape[1] in (1, steps), f"credit {names} gave A of shape {adv.shape}: its step axis must be 1 or T = {steps}"
         return adv, new_state
 
     needs = frozenset().union(*(SCHEMES[n].needs for n in names))
-    return Credit(names, needs, init, apply, prepare, debug_images)
+    return Credit(names, needs, init, apply, prepare, debug_images, any(SCHEMES[n].uses_reward_model for n in names))
 
 
 def kept_samples(adv, trained) -> jnp.ndarray:

@@ -1,6 +1,6 @@
 """What a credit scheme's host-side `prepare(ctx, options)` may use: the rollout and the world's tools.
 
-    ctx.rollout                          # the iteration's Rollout (global arrays)
+    ctx.rollout, ctx.schedule            # the iteration's Rollout (global arrays) and its Schedule
     ctx.rewards_of(x [B, M, H, W, C])    -> [B, M]                 # the run's reward of each decoded state
     ctx.ode_completions(steps [m])       -> [B, m, H, W, C]         # ODE from the state before each step
     ctx.reward_gradient(x [B, H, W, C])  -> [B, H, W, C]            # d reward model / d x
@@ -9,7 +9,7 @@
 `x` are the DiT's states (pixels in the shapes world, latents in a latent world: `decode` maps them to
 images). Rewards run on host for this process's rows with this process's prompts and come back as one
 global array; completions and gradients are jit-compiled on the global (sharded) batch. The train loop
-builds one Context per iteration (`steps.Steps.context`).
+builds one Context per iteration (`rl/programs.py` `credit_context`).
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from flowrl_jax import parallel
 
 
 class Context:
-    def __init__(self, rollout, prompts_local: list[dict], reward_fn: Callable, mesh, complete: Callable,
-                 reward_gradient: Callable, decode: Callable):
-        self.rollout, self.prompts_local, self.mesh, self.decode = rollout, prompts_local, mesh, decode
+    def __init__(self, rollout, schedule, prompts_local: list[dict], reward_fn: Callable, mesh, complete: Callable,
+                 reward_gradient: Callable | None, decode: Callable):
+        self.rollout, self.schedule, self.prompts_local, self.mesh, self.decode = rollout, schedule, prompts_local, mesh, decode
         self._reward_fn, self._complete, self._reward_gradient = reward_fn, complete, reward_gradient
 
     def local(self, x: jax.Array) -> np.ndarray:

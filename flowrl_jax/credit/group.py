@@ -39,5 +39,5 @@ def permute_within_groups(x, group_ids, key):
 
 def uniform(inputs: dict, adv, state, cfg):
     """Flow-GRPO's credit: every trained step and token of a sample gets its advantage, `A[b, t, k] = A[b]`."""
-    num_steps = inputs["rollout"].noise_levels.shape[0]
+    num_steps = inputs["schedule"].levels.shape[0]
     return jnp.broadcast_to(adv, (adv.shape[0], num_steps, adv.shape[2])), state

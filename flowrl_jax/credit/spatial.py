@@ -39,7 +39,7 @@ def prepare(ctx, options) -> dict:
     ro = ctx.rollout
     if options.map_at == "final":
         return {"gradient": ctx.reward_gradient(ro.final)}
-    trained = np.asarray(ro.trained)
+    trained = np.asarray(ctx.schedule.trained)
     grads = [ctx.reward_gradient(ro.x0_hat[:, t]) if trained[t] else jnp.zeros_like(ro.final) for t in range(trained.size)]
     return {"gradient": jnp.stack(grads, axis=1)}
 
@@ -69,7 +69,7 @@ def weights(inputs: dict, options):
     ro = inputs["rollout"]
     c = token_norms(inputs["spatial"]["gradient"], patch_size_of(ro))
     w = mad_weights(c, float(options.tau), float(options.z_clip))
-    return jnp.broadcast_to(w[:, None, :], (w.shape[0], ro.noise_levels.shape[0], w.shape[-1])) if w.ndim == 2 else w
+    return jnp.broadcast_to(w[:, None, :], (w.shape[0], inputs["schedule"].levels.shape[0], w.shape[-1])) if w.ndim == 2 else w
 
 
 def apply(inputs: dict, adv, state, options):
@@ -79,8 +79,8 @@ def apply(inputs: dict, adv, state, options):
 def debug_images(ctx, extras: dict, options) -> dict:
     """{"credit_maps": save_grid kwargs}: the first `n` samples of this process (top row) and the credit
     maps of the first trained step over them (bottom row, brighter = more credit; each map scaled to its own max)."""
-    first = int(np.flatnonzero(np.asarray(ctx.rollout.trained))[0])  # the map of the first trained step
-    w = weights({"rollout": ctx.rollout, **extras}, options)[:, first]
+    first = int(np.flatnonzero(np.asarray(ctx.schedule.trained))[0])  # the map of the first trained step
+    w = weights({"rollout": ctx.rollout, "schedule": ctx.schedule, **extras}, options)[:, first]
     images, labels = ctx.local(ctx.decode(ctx.rollout.final)), [p["prompt"] for p in ctx.prompts_local]
     p, (h, wd) = patch_size_of(ctx.rollout), ctx.rollout.states.shape[2:4]
     return {"credit_maps": overlay_grid(images, ctx.local(w), (h // p, wd // p), labels)}

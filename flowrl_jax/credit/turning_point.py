@@ -32,7 +32,7 @@ DEFAULTS = {"consistent_first_step": True, "consistent_inter_step": True}
 
 def prepare(ctx, options) -> dict:
     """-> {"completion_rewards": [B, m]}: rewards of the ODE completions from each trained step's state."""
-    steps = np.flatnonzero(np.asarray(ctx.rollout.noise_levels) > 0)
+    steps = np.flatnonzero(np.asarray(ctx.schedule.trained))
     completions = ctx.ode_completions(steps)
     return {"completion_rewards": ctx.rewards_of(completions)}
 
@@ -73,10 +73,10 @@ def balanced(turning, d_g):
 
 
 def apply(inputs: dict, adv, state, options):
-    ro = inputs["rollout"]
+    levels = inputs["schedule"].levels
     rc = inputs["turning_point"]["completion_rewards"]
     r_tilde, _ = step_rewards(rc, inputs["rewards"].astype(jnp.float32), **{k: bool(options[k]) for k in DEFAULTS})
     a = jax.vmap(lambda r: inputs["normalize"](r, group_std=True), in_axes=1, out_axes=1)(r_tilde)  # [B, m]
-    steps = jnp.flatnonzero(ro.noise_levels > 0, size=rc.shape[1])
-    full = jnp.zeros((a.shape[0], ro.noise_levels.shape[0]), jnp.float32).at[:, steps].set(a)
+    steps = jnp.flatnonzero(levels > 0, size=rc.shape[1])
+    full = jnp.zeros((a.shape[0], levels.shape[0]), jnp.float32).at[:, steps].set(a)
     return full[:, :, None], state

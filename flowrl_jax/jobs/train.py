@@ -2,14 +2,15 @@
 
     python -m flowrl_jax.main --config configs/flow_grpo.py --workdir workdirs/flow_grpo
 
-The loop in phases (DESIGN.md), each a function below:
-    validate(config) -> setup(config, workdir) -> per iteration:
+The loop in phases (docs/design.md), each a function below:
+    validate(config) -> make_plan(config) -> setup(plan, workdir) -> per iteration:
     sample_prompts -> rollout -> score -> assign_credit -> update -> after_iteration (EMA'd old policy,
     logging, eval, checkpoint, stop conditions).
-It knows no world, credit scheme or objective by name: the world (`worlds/`) gives prompts, conditioning,
-decoding, rewards and the eval; the credit chain (`credit/`) declares what it needs from the objective;
-the objective (`objectives/`) builds its own training pairs (`steps.py` jit-compiles the pieces). The
-policy is the whole DiT or LoRA adapters (`train.lora_rank > 0`); the KL reference is the base DiT.
+It knows no world, credit scheme or objective by name: the plan (`rl/plan.py`) checks the config and builds the
+world (`worlds/`: prompts, conditioning, decoding, rewards, the eval), the credit chain (`credit/`: it declares what
+it needs from the objective) and the objective (`objectives/`: it builds its own training pairs) once;
+`rl/programs.py` jit-compiles the iteration's programs; the loop alone holds the `TrainState`. The policy is the
+whole DiT or LoRA adapters (`train.lora_rank > 0`); the KL reference is the base DiT.
 Everything random derives from `config.seed` and the iteration (`jax.random.fold_in`), so a resumed
 run equals an uninterrupted one.
 
@@ -26,7 +27,6 @@ import dataclasses
 import json
 import os
 import signal
-import sys
 import time
 from typing import Any
 
@@ -35,14 +35,16 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from flowrl_jax import credit as credit_lib, metrics, objectives, parallel, paths, rewards, worlds
+from flowrl_jax import metrics, parallel, paths, rewards
 from flowrl_jax.checkpoint import CheckpointError, Checkpointer
 from flowrl_jax.config_lib import ConfigError
 from flowrl_jax.data import curriculum
-from flowrl_jax.models import attention, lora, mmdit
 from flowrl_jax.rewards import remote
-from flowrl_jax.sampling import windows
-from flowrl_jax.rl.programs import Steps, TrainState, learning_rate, minibatches, sampler_levels
+from flowrl_jax.rl import plan as plan_lib, programs as programs_lib
+from flowrl_jax.rl.minibatch import minibatches
+from flowrl_jax.rl.plan import Plan
+from flowrl_jax.rl.programs import Programs
+from flowrl_jax.rl.state import TrainState
 
 
 def itstime(step: int, every: int, total: int, last: bool = False) -> bool:
@@ -82,71 +84,20 @@ def _finite_or_stop(values: dict, step: int, ckpt: Checkpointer) -> None:
 
 
 # --------------------------------------------------------------------------------------------- validate
-def use_fallback_rewards(config) -> None:
-    """`train.rewards_without_models` in place of `train.rewards` when a device reward there has no weights given
-    (`world.reward_models`), with a warning: a preset then runs its model-free demo instead of failing."""
-    models, fallback = config.world.get("reward_models"), tuple(config.train.get("rewards_without_models", ()))
-    missing = [(str(n), rewards.device.FOLDER_OF[str(n)]) for n, _ in config.train.rewards
-               if str(n) in rewards.device.FACTORIES and not (models or {}).get(rewards.device.FOLDER_OF[str(n)])]
-    if missing and fallback:
-        flags = ", ".join(f"--config.world.reward_models.{key}" for _, key in missing)
-        print(f"flowrl_jax: warning: train.rewards {[n for n, _ in missing]} need their weights ({flags}), not given: training "
-              f"on {[str(n) for n, _ in fallback]} instead (train.rewards_without_models)", file=sys.stderr)
-        config.train.rewards = fallback
-
-
-def validate(config):
-    """Every check a train config must pass before anything heavy is built; -> the world. ConfigError names the key."""
-    s = config.sampler
-    use_fallback_rewards(config)
-    try:
-        objective = objectives.get(config.objective.name)
-        options = objectives.resolve_options(config, patch_size=None)
-        objective.check(options, s)
-        credit = credit_lib.build(config.credit.names, config.credit, config.advantage.global_std, config.advantage.clip)
-        rewards.check(config.train.rewards, config.world.get("reward_models"))  # the device rewards' folders, before compiling
-        remote.settings(config.train.get("remote_rewards"))
-        sampler_levels(s, windows.window_at(s, 0, config.seed))  # the window's schedule and its options
-        if windows.tail(s) != windows.tail({}) and (config.objective.name == "leapalign" or "turning_point" in config.credit.names):
-            raise ValueError("sampler.window.tail_solver / tail_ratio: LeapAlign and TurningPoint credit read every step's state "
-                             "on the base grid (Rollout.sigmas) and its Euler completions; keep the default tail (euler, 1.0)")
-        world = worlds.build(config)
-        for prompts in (world.train_prompts, getattr(world, "test_prompts", None) or []):  # the latent world's eval scores
-            rewards.check_prompts(config.train.rewards, prompts)  # test prompts with train.rewards; e.g. OCR's quoted text
-    except (ValueError, FileNotFoundError) as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
-    rows = config.train.prompts_per_iteration * config.train.group_size
-    if config.train.get("score_while_sampling") and not 0 < config.train.rollout_chunk < rows:
-        raise ConfigError(f"train.score_while_sampling=True scores each rollout chunk while the next samples: set "
-                          f"train.rollout_chunk to the rows per chunk, fewer than the {rows} of an iteration (e.g. {rows // 4})")
-    if config.world.get("scan_blocks", "auto") not in mmdit.SCAN_CHOICES:
-        raise ConfigError(f"world.scan_blocks={config.world.scan_blocks!r}: choose one of {', '.join(mmdit.SCAN_CHOICES)}")
-    if config.world.get("attention", "xla") not in attention.IMPLEMENTATIONS:
-        raise ConfigError(f"world.attention={config.world.attention!r}: choose one of {', '.join(attention.IMPLEMENTATIONS)}")
-    if config.train.lora_init not in lora.INITS:
-        raise ConfigError(f"train.lora_init={config.train.lora_init!r}: choose one of {', '.join(lora.INITS)}")
-    if s.kind == "ode" and s.same_noise_per_group:
-        raise ConfigError("sampler.kind=ode with sampler.same_noise_per_group=True makes every image of a group the same "
-                          "(no advantage to learn from): set --config.sampler.same_noise_per_group=False")
-    for need in sorted(credit.needs - objective.offers(options)):
-        schemes = [n for n in credit.names if need in credit_lib.SCHEMES[n].needs]
-        raise ConfigError(f"credit {', '.join(schemes)} needs per-{need} ratios, which objective {config.objective.name!r} "
-                          f"does not offer with its options (config.objective.{config.objective.name}); per-sample "
-                          "objectives take credit ('uniform',) or ('uniform', 'adaptive')")
-    return world
+def validate(config) -> None:
+    """Every check a train config must pass before anything is built (`rl/plan.py` `validate`; pure)."""
+    plan_lib.validate(config)
 
 
 # ------------------------------------------------------------------------------------------------ setup
 @dataclasses.dataclass
 class Job:
-    """What the phases share: the config, the world, the jitted steps and the run's outputs."""
-    config: Any
+    """What the phases share: the plan, the programs, the frozen weights and the run's outputs (not the state)."""
+    plan: Plan
     workdir: str
-    world: Any
-    mesh: Any
-    steps: Steps
-    credit: Any
-    reward_fn: Any
+    programs: Programs
+    frozen: dict     # the world's base weights (and the reward model's), placed on the mesh
+    reward_fn: rewards.Weighted
     ckpt: Checkpointer
     writer: metrics.MetricWriter
     history: dict
@@ -155,32 +106,34 @@ class Job:
     reader: Any = None  # the world's per-process prompt reader (its position is checkpointed), or None
     pool: Any = None    # the threads scoring rollout chunks while the next samples (train.score_while_sampling), or None
 
+    @property
+    def config(self):
+        return self.plan.config
 
-def setup(config, workdir: str, world) -> tuple[Job, TrainState]:
-    """Mesh, base model, jitted steps and the TrainState: restored from the newest checkpoint that restores."""
+    @property
+    def world(self):
+        return self.plan.world
+
+    @property
+    def mesh(self):
+        return self.plan.mesh
+
+
+def setup(plan: Plan, workdir: str) -> tuple[Job, TrainState]:
+    """Base model, programs and the TrainState: restored from the newest checkpoint that restores."""
+    config, world = plan.config, plan.world
     t_cfg = config.train
-    mesh = parallel.make_mesh(config.mesh)
     batch = t_cfg.prompts_per_iteration * t_cfg.group_size
-    if batch % jax.device_count():
-        raise ConfigError(f"train.prompts_per_iteration x train.group_size = {batch} must be divisible by the {jax.device_count()} devices")
-    shards = parallel.batch_shards(mesh)
-    if 0 < t_cfg.rollout_chunk < batch and (batch % t_cfg.rollout_chunk or t_cfg.rollout_chunk % shards):
-        raise ConfigError(f"train.rollout_chunk={t_cfg.rollout_chunk} must divide the {batch} rows of an iteration and be a "
-                          f"multiple of the {shards} batch shards of the mesh")
-    if t_cfg.microbatch and t_cfg.microbatch % shards:
-        raise ConfigError(f"train.microbatch={t_cfg.microbatch} must be a multiple of the {shards} batch shards of the mesh")
     try:
-        learning_rate(t_cfg)  # a misspelled train.lr_schedule fails here, before the base model loads
         dit, base = world.load()
-        credit = credit_lib.build(config.credit.names, config.credit, config.advantage.global_std, config.advantage.clip)
-        reward_fn = world.reward_fn(t_cfg.rewards, t_cfg.get("remote_rewards"))
+        reward_fn = world.reward_fn(plan.rewards, t_cfg.get("remote_rewards"))
     except (ValueError, FileNotFoundError, ImportError) as e:  # ImportError: a reward's optional package (OCR)
         raise ConfigError(str(e).splitlines()[0]) from None
-    steps = Steps(config, mesh, world, dit, base, credit, len(world.train_prompts))
+    programs, frozen, state = programs_lib.build(plan, dit, base)
     paths.makedirs(workdir)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep)
     try:
-        restored, meta, skipped = ckpt.restore_latest(steps.state)
+        restored, meta, skipped = ckpt.restore_latest(state)
     except CheckpointError as e:
         ckpt.close()
         raise ConfigError(str(e)) from None
@@ -190,7 +143,7 @@ def setup(config, workdir: str, world) -> tuple[Job, TrainState]:
                           f"({str(e).strip().splitlines()[0]}); resume with the config that wrote it, or use a new --workdir") from None
     for step, reason in skipped:
         print(f"checkpoint step {step} in {ckpt.directory} is damaged ({reason}); resuming from an older step")
-    state, history = steps.state, {"evals": [], "wall_s": 0.0, "first_iteration_s": None}  # the first iteration includes compiling
+    history = {"evals": [], "wall_s": 0.0, "first_iteration_s": None}  # the first iteration includes compiling
     if restored is not None:
         state, history = restored, {**history, **meta.get("history", {})}
         print(f"resumed from step {int(state.step)} in {ckpt.directory}")
@@ -202,13 +155,34 @@ def setup(config, workdir: str, world) -> tuple[Job, TrainState]:
     pool = None
     if t_cfg.get("score_while_sampling") and reward_fn.on_host:
         pool = concurrent.futures.ThreadPoolExecutor(min(4, batch // t_cfg.rollout_chunk), thread_name_prefix="score")
-    job = Job(config, workdir, world, mesh, steps, credit, reward_fn, ckpt, metrics.MetricWriter(workdir), history,
+    job = Job(plan, workdir, programs, frozen, reward_fn, ckpt, metrics.MetricWriter(workdir), history,
               parallel.process_batch_slice(batch), int(state.step), reader, pool)
     return job, state
 
 
 # ----------------------------------------------------------------------------------------------- phases
-def sample_prompts(job: Job, state: TrainState, it: int) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """An iteration's prompts: this process's rows, and the global arrays on the mesh."""
+    drawn: np.ndarray | None   # the global draw's prompt indices (the curriculum's statistics); None with a prompt reader
+    prompts_local: list        # this process's prompt rows, each prompt `G` times
+    group_ids: np.ndarray      # [B] every process's rows' prompt group
+    ids: jax.Array             # [B, L] tokens, batch-sharded
+    mask: jax.Array
+    levels: np.ndarray         # [T] the iteration's noise level per step (its SDE window, sampler.window)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampled:
+    """An iteration's rollout: per row, its schedule, and the host rewards already scored while it sampled."""
+    rollout: Any               # sampling.rollout.Rollout
+    schedule: Any              # sampling.rollout.Schedule
+    cond: Any
+    null: Any
+    early: tuple = ()          # ((this process's rows of a chunk, a future of their host rewards), ...)
+
+
+def sample_prompts(job: Job, state: TrainState, it: int) -> Batch:
     """The iteration's prompts, each `G` times, tokenized and sharded: this process's rows of the world's
     per-process reader when it has one, else of the global draw (uniform, or the curriculum's)."""
     t_cfg, cur = job.config.train, job.config.curriculum
@@ -224,103 +198,111 @@ def sample_prompts(job: Job, state: TrainState, it: int) -> dict:
         local = [job.world.train_prompts[i] for i in drawn for _ in range(t_cfg.group_size)][job.local]
     group_ids = np.repeat(np.arange(t_cfg.prompts_per_iteration, dtype=np.int32), t_cfg.group_size)
     ids, mask = parallel.shard_batch(job.world.tokenize(local), job.mesh)
-    return {"drawn": drawn, "prompts_local": local, "group_ids": group_ids, "ids": ids, "mask": mask,
-            "levels": job.steps.levels_at(it)}  # the iteration's SDE window (sampler.window)
+    return Batch(drawn, local, group_ids, ids, mask, job.plan.levels_at(it))
 
 
-def rollout(job: Job, state: TrainState, batch: dict, it: int):
-    """-> (Rollout, cond, null): the old policy's rollout where the objective keeps one, else the policy's. With
-    `train.score_while_sampling` the rollout runs chunk by chunk and each chunk's host and remote rewards are
-    scored on `job.pool` while the next chunk samples (`batch["early"]`: [(this process's rows, future)])."""
-    params = state.old if job.steps.objective.old_policy is not None else state.params
+def rollout(job: Job, state: TrainState, batch: Batch, it: int) -> Sampled:
+    """The old policy's rollout where the objective keeps one, else the policy's. With `train.score_while_sampling` the
+    rollout runs chunk by chunk and each chunk's host and remote rewards are scored on `job.pool` while the next chunk
+    samples (`Sampled.early`)."""
+    params = state.old if job.plan.objective.old_policy is not None else state.params
     rng = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(job.config.seed), it), 0)
+    sched = programs_lib.schedule_of(job.config.sampler, batch.levels)
+    run = job.programs.rollout
     if job.pool is None:
-        return job.steps.rollout(params, job.steps.frozen, batch["ids"], batch["mask"], rng, batch["levels"])
-    b, chunk = len(batch["group_ids"]), job.config.train.rollout_chunk
-    order = parallel.to_row_chunks(np.arange(b), b // chunk, parallel.batch_shards(job.mesh))  # chunk i's global rows
-    batch["early"] = []
+        return _sampled(run(params, job.frozen, batch.ids, batch.mask, rng, batch.levels), sched)
+    order = parallel.to_row_chunks(np.arange(len(batch.group_ids)), run.chunks, parallel.batch_shards(job.mesh))  # chunks' global rows
+    early = []
 
     def on_chunk(i, out):
         mine = order[i][(order[i] >= job.local.start) & (order[i] < job.local.stop)] - job.local.start  # this process's, in order
-        images = job.world.decode(job.steps.frozen, out[0].final)  # dispatched here: the device's work keeps one order
-        prompts = [batch["prompts_local"][r] for r in mine]
-        batch["early"].append((mine, job.pool.submit(lambda: job.reward_fn.host_parts(parallel.local_rows(images), prompts))))
+        images = job.world.decode(job.frozen, out[0].final)  # dispatched here: the device's work keeps one order
+        prompts = [batch.prompts_local[r] for r in mine]
+        early.append((mine, job.pool.submit(lambda: job.reward_fn.host_parts(parallel.local_rows(images), prompts))))
 
-    return job.steps.rollout_in_chunks(params, job.steps.frozen, batch["ids"], batch["mask"], rng, on_chunk, batch["levels"])
+    out = run(params, job.frozen, batch.ids, batch.mask, rng, batch.levels, on_chunk)
+    return _sampled(out, sched, tuple(early))
 
 
-def host_rewards(job: Job, images, batch: dict) -> dict:
+def _sampled(out, sched, early=()) -> Sampled:
+    ro, cond, null = out
+    return Sampled(ro, sched, cond, null, early)
+
+
+def host_rewards(job: Job, images, batch: Batch, sampled: Sampled) -> dict:
     """This process's rows' host and remote rewards {name: [b]}: from the chunks scored early, if any, else scored now
     on `images` (the decoded batch)."""
-    if batch.get("early"):
+    if sampled.early:
         parts = {}
-        for rows, future in batch["early"]:
+        for rows, future in sampled.early:
             for name, values in future.result().items():
-                parts.setdefault(name, np.zeros(len(batch["prompts_local"]), np.float32))[rows] = values
+                parts.setdefault(name, np.zeros(len(batch.prompts_local), np.float32))[rows] = values
         return parts
-    return job.reward_fn.host_parts(parallel.local_rows(images), batch["prompts_local"]) if job.reward_fn.on_host else {}
+    return job.reward_fn.host_parts(parallel.local_rows(images), batch.prompts_local) if job.reward_fn.on_host else {}
 
 
-def score(job: Job, ro, batch: dict, it: int) -> dict:
+def score(job: Job, sampled: Sampled, batch: Batch, it: int) -> dict:
     """Rewards of this process's decoded samples (host and remote rewards on the host, device rewards on the device after
     them), gathered into global arrays with the group ids (`reward` and `parts`: every process's rows on the host, for
     the logs). Failures are agreed before any device work (`rewards.agree_on_failure`: no process enters a collective another
     left). A non-finite reward anywhere stops the run on every process at once: the test reads the gathered rewards."""
-    scored_early = bool(batch.get("early"))
-    images = None if scored_early and not job.reward_fn.on_device else job.world.decode(job.steps.frozen, ro.final)  # on device
+    decode = not sampled.early or job.reward_fn.on_device
+    images = job.world.decode(job.frozen, sampled.rollout.final) if decode else None  # on device
     failure = None
     try:
-        parts = host_rewards(job, images, batch)
+        parts = host_rewards(job, images, batch, sampled)
     except Exception as e:  # agreed below, then raised on every process
         failure = e
     rewards.agree_on_failure(failure)
-    parts.update(job.reward_fn.device_parts(images, batch["prompts_local"]) if job.reward_fn.on_device else {})
+    parts.update(job.reward_fn.device_parts(images, batch.prompts_local) if job.reward_fn.on_device else {})
     reward, parts = job.reward_fn.total(parts), {n: parts[n] for n, _ in job.reward_fn.weighted}
     on_mesh = parallel.global_from_local(reward, job.mesh)
     every = {n: parallel.to_host(parallel.global_from_local(v, job.mesh)) for n, v in parts.items()}  # all processes' rows, for logs
     gathered = parallel.to_host(on_mesh)
     _finite_or_stop({"reward": gathered}, it + 1, job.ckpt)
     return {"reward": gathered, "parts": every, "rewards": on_mesh,
-            "group_ids": parallel.global_from_local(batch["group_ids"][job.local], job.mesh)}
+            "group_ids": parallel.global_from_local(batch.group_ids[job.local], job.mesh)}
 
 
-def assign_credit(job: Job, state: TrainState, ro, cond, null, batch: dict, scored: dict, it: int):
+def assign_credit(job: Job, state: TrainState, sampled: Sampled, batch: Batch, scored: dict, it: int):
     """-> (state, adv [B, T, K], keep [B] numpy): the credit chain, the curriculum's update, debug images."""
-    t_cfg, steps = job.config.train, job.steps
-    ctx = steps.context(state, ro, cond, null, batch["prompts_local"], job.reward_fn)
-    extras = job.credit.prepare(ctx)
+    t_cfg, credit = job.config.train, job.plan.credit
+    params = state.old if job.plan.objective.old_policy is not None else state.params  # the policy the rollout drew
+    ctx = programs_lib.credit_context(job.programs, job.world, job.mesh, job.frozen, params, sampled.rollout, sampled.schedule,
+                                      sampled.cond, sampled.null, batch.prompts_local, job.reward_fn)
+    extras = credit.prepare(ctx)
     key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(job.config.seed), it), 2)  # the null control's shuffle
-    adv, credit_state, keep = steps.credit(ro, scored["rewards"], scored["group_ids"], t_cfg.prompts_per_iteration, state.credit,
-                                           extras, key)
+    adv, credit_state, keep = job.programs.credit(sampled.rollout, sampled.schedule, scored["rewards"], scored["group_ids"],
+                                                  t_cfg.prompts_per_iteration, state.credit, extras, key)
     state = state.replace(credit=credit_state)
     if job.config.curriculum.enabled:
         by_group = parallel.to_host(scored["rewards"]).reshape(t_cfg.prompts_per_iteration, t_cfg.group_size)
-        updated = curriculum.update(jax.tree_util.tree_map(parallel.to_host, state.curriculum), batch["drawn"], by_group, job.config.curriculum)
-        state = state.replace(curriculum=parallel.put_global(updated, steps.shardings.curriculum))
+        updated = curriculum.update(jax.tree_util.tree_map(parallel.to_host, state.curriculum), batch.drawn, by_group, job.config.curriculum)
+        state = state.replace(curriculum=parallel.put_global(updated, job.programs.state_shardings.curriculum))
     if it == job.start_step or it + 1 == t_cfg.iterations:
-        for stem, grid in job.credit.debug_images(ctx, extras).items():
+        for stem, grid in credit.debug_images(ctx, extras).items():
             if jax.process_index() == 0:
                 metrics.save_grid(path=os.path.join(job.workdir, f"{stem}_{it + 1:06d}.png"), **grid)
     return state, adv, parallel.to_host(keep)
 
 
-def update(job: Job, state: TrainState, data: dict, keep: np.ndarray, slots: np.ndarray, it: int) -> tuple[TrainState, dict, int]:
+def update(job: Job, state: TrainState, data, keep: np.ndarray, slots: np.ndarray, it: int) -> tuple[TrainState, dict, int]:
     """`num_inner_epochs` shuffled passes over the kept samples x the objective's `slots`, one optimizer step
     per minibatch; then the old policy follows. -> (state, mean stats, number of updates). The objective's
     per-minibatch `alignment` becomes `alignment_heldout` (first epoch, after its first minibatch: samples
     no update has seen) and `alignment_trained` (later epochs)."""
-    t_cfg, steps, seed = job.config.train, job.steps, job.config.seed
+    t_cfg, programs, seed = job.config.train, job.programs, job.config.seed
     step_stats, aligned = [], {"alignment_heldout": [], "alignment_trained": []}
     for epoch in range(t_cfg.num_inner_epochs):
-        chunks = minibatches(keep, slots, steps.minibatch_size, np.random.default_rng([seed, it, epoch]))
+        chunks = minibatches(keep, slots, job.plan.minibatch_size, np.random.default_rng([seed, it, epoch]))
         for i, (rows, pair_slots, weight) in enumerate(chunks):
-            state, stats = steps.update(state, steps.frozen, data, rows, pair_slots, weight)
+            state, stats = programs.update(state, job.frozen, data, rows, pair_slots, weight)
             step_stats.append(stats)
             if "alignment" in stats and (epoch or i):  # the first minibatch is on-policy: no change to correlate yet
                 aligned["alignment_trained" if epoch else "alignment_heldout"].append(stats["alignment"])
     state = state.replace(step=state.step + 1)
-    if steps.objective.old_policy is not None:
-        state = steps.update_old_policy(state)
+    if programs.update_old_policy is not None:
+        state = programs.update_old_policy(state)
     stats = {k: np.mean([np.asarray(s[k]) for s in step_stats], 0) for k in step_stats[0] if k != "alignment"} if step_stats else {}
     stats.update({k: np.mean(np.asarray(v)) for k, v in aligned.items() if v})
     _finite_or_stop({k: v for k, v in stats.items() if k in ("loss", "kl", "grad_norm")}, it + 1, job.ckpt)
@@ -329,13 +311,13 @@ def update(job: Job, state: TrainState, data: dict, keep: np.ndarray, slots: np.
 
 def run_eval(job: Job, state: TrainState, step: int) -> dict:
     """The world's eval of the EMA policy; logged, kept in the history and printed."""
-    dit_params = job.steps.policy.merged(state.ema, job.steps.frozen["dit"])
-    out = job.world.evaluate(dit_params, job.steps.frozen, step, job.workdir)
-    entry = {"step": step, "wall_s": job.history["wall_s"], **out["entry"]}
-    job.writer.scalars(step, {**out["scalars"], "wall_s": job.history["wall_s"]})
+    dit_params = job.programs.policy.merged(state.ema, job.frozen["dit"])
+    out = job.world.evaluate(dit_params, job.frozen, step, job.workdir)
+    entry = {"step": step, "wall_s": job.history["wall_s"], **out.entry}
+    job.writer.scalars(step, {**out.scalars, "wall_s": job.history["wall_s"]})
     job.history["evals"].append(entry)
     if metrics.is_writer():
-        tqdm.write(out["text"])
+        tqdm.write(out.text)
     return entry
 
 
@@ -383,22 +365,23 @@ def iteration(job: Job, state: TrainState, it: int) -> tuple[TrainState, dict]:
     """One RL iteration, phase by phase; -> (state, the logged scalars)."""
     t0 = time.time()
     batch = sample_prompts(job, state, it)
-    ro, cond, null = rollout(job, state, batch, it)
+    sampled = rollout(job, state, batch, it)
     t1 = time.time()
-    scored = score(job, ro, batch, it)
-    state, adv, keep = assign_credit(job, state, ro, cond, null, batch, scored, it)
+    scored = score(job, sampled, batch, it)
+    state, adv, keep = assign_credit(job, state, sampled, batch, scored, it)
     key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(job.config.seed), it), 1)  # the iteration's own randomness
-    data = {"rollout": ro, "adv": adv, "cond": cond, "null": null, "key": key, **job.steps.objective_extras(batch["prompts_local"])}
+    data = programs_lib.iteration_data(job.programs, sampled.rollout, sampled.schedule, adv, sampled.cond, sampled.null, key,
+                                       batch.prompts_local)
     t2 = time.time()
     diag = job.config.diagnostics
     before = jax.tree_util.tree_map(jnp.copy, state.params) if itstime(it + 1, diag.image_change_every, job.config.train.iterations) else None
-    slots = job.steps.slots_at(batch["levels"])
+    slots = job.plan.slots_at(batch.levels)
     state, stats, num_updates = update(job, state, data, keep, slots, it)
     t3 = time.time()
     job.history["wall_s"] += t3 - t0
     if before is not None:  # the same-noise change of the final latents, trained vs untrained steps (not in wall_s)
-        change = job.steps.image_change(before, state.params, job.steps.frozen, batch["ids"], batch["mask"], jax.random.fold_in(key, 7),
-                                         batch["levels"])
+        change = job.programs.image_change(before, state.params, job.frozen, batch.ids, batch.mask, jax.random.fold_in(key, 7),
+                                           batch.levels)
         stats.update({f"image_change/{k}": np.asarray(v) for k, v in change.items()})
     if job.history["first_iteration_s"] is None:
         job.history["first_iteration_s"] = t3 - t0
@@ -411,8 +394,7 @@ def run(config, workdir: str | None) -> dict:
         raise ConfigError("the train job needs --workdir (checkpoints, metrics and samples go there)")
     with StopSignal() as stop:  # from the start: a signal during loading or compiling stops after the first iteration
         parallel.maybe_initialize_distributed(config.distributed, config.get("distributed_timeout_s", parallel.DISTRIBUTED_TIMEOUT_S))
-        world = validate(config)
-        job, state = setup(config, workdir, world)
+        job, state = setup(plan_lib.make_plan(config), workdir)
         return loop(job, state, stop)
 
 

@@ -4,11 +4,11 @@
     options = resolve_options(config, patch_size)            # its sub-dict + the sampler's facts
     objective.check(options, config.sampler)                 # ValueError naming the option
     slots = objective.slots(options, levels)                 # [S] training slots per sample
-    mb = objective.pairs(data, rows, slots, weight, key, options)
-    loss, aux = objective.loss(variables, ref_variables, mb, fns, options)     # fns: policy.PolicyFns
+    mb = objective.pairs(data, rows, slots, weight, key, options)         # batch.Minibatch
+    loss, aux = objective.loss(trees, mb, fns, options)    # trees: batch.ParamTrees; fns: rl.policy.PolicyFns
 
-`data` is the iteration on the device: {"rollout", "adv" [B, T, K], "cond", "null"} and the host-side
-extras the objective asked for (`uses_reward_model`: the differentiable reward's tokens). A pair is
+`data` is the iteration on the device (`batch.IterationData`: the rollout, its schedule, the advantages `[B, T, K]`, the
+conditions, and the reward model's tokens when the objective asked for them with `uses_reward_model`). A pair is
 (sample `rows[m]`, slot `slots[m]`) with `weight[m]` (0 on padding); `key` is the update's own
 randomness (forward-process noise, LeapAlign's steps), drawn from the seed and the update counter.
 - `grpo` (SPEC §4): (sample, SDE step) pairs of an sde/cps/lc rollout; the clipped ratio, with lambda
@@ -37,8 +37,8 @@ def _any_kind(options, sampler) -> None:
 
 
 class Objective(NamedTuple):
-    loss: Callable                     # (variables, ref_variables, mb, fns, options) -> (loss, aux)
-    pairs: Callable                    # (data, rows, slots, weight, key, options) -> mb
+    loss: Callable                     # (trees: ParamTrees, mb: Minibatch, fns, options) -> (loss, aux)
+    pairs: Callable                    # (data: IterationData, rows, slots, weight, key, options) -> Minibatch
     slots: Callable                    # (options, levels [T]) -> [S] numpy
     defaults: dict                     # the options and their defaults (config.objective.<name>)
     check: Callable = _any_kind        # (options, sampler) -> None; ValueError naming the option

@@ -1,6 +1,6 @@
 """AdvantageFlow: advantage-weighted flow matching with rollout-policy regularization (SPEC.md §6).
 
-    loss, aux = advantage_flow.loss(variables, ref_variables, mb, fns, options)   # mb: forward.forward_pairs
+    loss, aux = advantage_flow.loss(trees, mb, fns, options)   # mb: forward.forward_pairs; trees: batch.ParamTrees
 
 SPEC's form (`regularizer="samples"`): `L = mean_i (beta + A_i) ||v_theta(x_t^i, t_i) - u_i||^2`,
 `u_i = eps_i - x0^i`, over the policy's own samples, `beta = max_i(-A_i) + beta0` (the max over the
@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from flowrl_jax.objectives import forward
+from flowrl_jax.objectives.batch import Minibatch, ParamTrees
 from flowrl_jax.objectives.forward import weighted_mean
 
 DEFAULTS = {"timesteps": 4, "times": "midpoints", "train_cfg": 0.0, "beta0": 1.0, "regularizer": "rollout_velocity"}
@@ -68,12 +69,12 @@ def weighted_flow_matching(v, target, adv, adv_floor, weight, beta0: float, v_ol
     return weighted_mean(_pair_terms(v, target, adv, adv_floor, beta0, v_old)[1], weight)
 
 
-def loss(variables, ref_variables, mb: dict, fns, options):
+def loss(trees: ParamTrees, mb: Minibatch, fns, options):
     beta0, regularizer = float(options["beta0"]), options["regularizer"]
     chex.assert_equal_shape([mb["x_t"], mb["x0"], mb["eps"]])
     chex.assert_equal_shape([mb["t"], mb["adv"], mb["weight"]])
-    v = fns.velocity(variables, mb["x_t"], mb["t"], mb)
-    v_old = fns.velocity(mb["old_variables"], mb["x_t"], mb["t"], mb) if regularizer == "rollout_velocity" else None
+    v = fns.velocity(trees.policy, mb["x_t"], mb["t"], mb)
+    v_old = fns.velocity(trees.old, mb["x_t"], mb["t"], mb) if regularizer == "rollout_velocity" else None
     sq, per_pair = _pair_terms(v, mb["eps"] - mb["x0"], mb["adv"], mb["adv_floor"], beta0, v_old)
     aux = {"flow_matching": weighted_mean(sq, mb["weight"]),
            "pair_weight_mean": weighted_mean(pair_weights(mb["adv"], mb["adv_floor"], beta0), mb["weight"]),

@@ -1,8 +1,8 @@
 """The clipped GRPO objective on (sample, step) pairs with a KL to a frozen reference (SPEC.md §4).
 
-    loss, aux = clipped_loss(params, ref_params, mb, fns, options)     # fns: policy.PolicyFns (its `mean`)
+    loss, aux = clipped_loss(trees, mb, fns, options)     # trees: batch.ParamTrees; fns: rl.policy.PolicyFns (its `mean`)
 
-`mb` is a minibatch of M (sample, step) pairs gathered from a rollout (`gather_pairs`): states `x`,
+`mb` is a `batch.Minibatch` of M (sample, step) pairs gathered from a rollout (`gather_pairs`): states `x`,
 next states `x_next [M, H, W, C]`, the step's `sigma`, `sigma_next`, noise level `level`, the step
 index `step [M]`, the rollout policy's per-token log-probs `logp_old [M, N]`, the advantages
 `adv [M, K]` (K = 1 or N), the condition, and a `weight [M]` (0 on padding). `fns.mean(params, mb) ->
@@ -46,7 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from flowrl_jax.models.mmdit import patchify
+from flowrl_jax.objectives.batch import IterationData, Minibatch, ParamTrees
 from flowrl_jax.sampling import kernels
+from flowrl_jax.sampling.rollout import Rollout, Schedule
 
 DEFAULTS = {"clip_range": 1e-4, "beta": 0.04, "ratio": "sample", "kl_form": "flow_grpo", "lambda_control": False,
             "detach_uncond": True, "ratio_norm": False}
@@ -80,22 +82,23 @@ def slots(options, levels: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.asarray(levels))
 
 
-def pairs(data: dict, rows, slots, weight, key, options) -> dict:
-    """`gather_pairs` on the iteration's data {"rollout", "adv", "cond", "null"} (the shared signature)."""
-    return gather_pairs(data["rollout"], data["adv"], data["cond"], data["null"], rows, slots, weight)
+def pairs(data: IterationData, rows, slots, weight, key, options) -> Minibatch:
+    """`gather_pairs` on the iteration's data (the objectives' shared signature)."""
+    return gather_pairs(data.rollout, data.schedule, data.adv, data.cond, data.null, rows, slots, weight)
 
 
-def gather_pairs(ro, adv, cond, null_cond, rows, steps, weight) -> dict:
-    """The minibatch of pairs `(rows[m], steps[m])` of rollout `ro`; `adv [B, T or 1, K]`, `cond` and
+def gather_pairs(ro: Rollout, schedule: Schedule, adv, cond, null_cond, rows, steps, weight) -> Minibatch:
+    """The minibatch of pairs `(rows[m], steps[m])` of rollout `ro` drawn on `schedule`; `adv [B, T or 1, K]`, `cond` and
     `null_cond` batch-leading pytrees of the rollout's B samples."""
     take = lambda a: a[rows, steps]  # noqa: E731
     adv_t = adv[rows, jnp.minimum(steps, adv.shape[1] - 1)]
     pick = lambda tree: jax.tree_util.tree_map(lambda a: a[rows], tree)  # noqa: E731
-    return {"x": take(ro.states), "x_next": take(ro.next_states), "mean_old": take(ro.means), "std": take(ro.stds),
-            "logp_old": take(ro.logp), "x0_hat": take(ro.x0_hat), "sigma": ro.sigmas[steps], "sigma_next": ro.sigmas[steps + 1],
-            "level": ro.noise_levels[steps], "sigma_1": ro.sigmas[1], "step": steps, "adv": adv_t,
-            "cond": pick(cond), "null": pick(null_cond), "weight": weight,
-            "all_sigmas": ro.sigmas, "all_levels": ro.noise_levels}
+    sigmas, levels = schedule.sigmas, schedule.levels
+    return Minibatch(
+        pairs={"x": take(ro.states), "x_next": take(ro.next_states), "mean_old": take(ro.means), "std": take(ro.stds),
+               "logp_old": take(ro.logp), "x0_hat": take(ro.x0_hat), "sigma": sigmas[steps], "sigma_next": sigmas[steps + 1],
+               "level": levels[steps], "step": steps, "adv": adv_t, "cond": pick(cond), "null": pick(null_cond), "weight": weight},
+        shared={"sigma_1": sigmas[1], "all_sigmas": sigmas, "all_levels": levels})
 
 
 def _per_step(values, weight, steps, num_steps):
@@ -120,7 +123,7 @@ def step_cost(kind: str, sigma, sigma_next, level, sigma_1):
     return jnp.where(std > 0, jnp.square(c_v) / jnp.where(std > 0, jnp.square(std), 1.0), jnp.inf)
 
 
-def effort_weights(kind: str, mb: dict):
+def effort_weights(kind: str, mb: Minibatch):
     """[M] `w_t = (1 / kappa_t) / mean_u (1 / kappa_u)`, u over the rollout's trained steps."""
     sig, levels = mb["all_sigmas"], mb["all_levels"]
     inv_all = 1.0 / step_cost(kind, sig[:-1], sig[1:], levels, mb["sigma_1"])
@@ -141,7 +144,7 @@ def alignment(adv, log_ratio, weight):
     return jnp.where((var_a > 0) & (var_r > 0), cov / jnp.sqrt(jnp.maximum(var_a * var_r, 1e-30)), 0.0)
 
 
-def clipped_loss(params, ref_params, mb: dict, fns, options) -> tuple[jax.Array, dict]:
+def clipped_loss(trees: ParamTrees, mb: Minibatch, fns, options) -> tuple[jax.Array, dict]:
     """-> (loss, aux) for `options` with fields clip_range, beta, ratio, kl_form, lambda_control, patch_size,
     logprob_form, num_steps, kernel, ratio_norm (module doc); `lambda_control` adds SPEC §4's (i)-(iv), `ratio_norm` GRPO-Guard's."""
     lambda_control, ratio_norm = bool(options.lambda_control), bool(options.ratio_norm)
@@ -150,7 +153,7 @@ def clipped_loss(params, ref_params, mb: dict, fns, options) -> tuple[jax.Array,
         raise ValueError("lambda-controlled GRPO needs an affine kernel (sampler.kind sde or cps), not lc")
     chex.assert_rank([mb["x"], mb["x_next"], mb["logp_old"], mb["adv"], mb["weight"]], [4, 4, 2, 2, 1])
     chex.assert_equal_shape([mb["x"], mb["x_next"], mb["mean_old"]])
-    mean, std, v = fns.mean(params, mb)
+    mean, std, v = fns.mean(trees.policy, mb)
     l_new = kernels.token_logprob(mb["x_next"], mean, std, options.patch_size, options.logprob_form)  # [M, N]
     w = mb["weight"]
     adv = mb["adv"]
@@ -184,7 +187,7 @@ def clipped_loss(params, ref_params, mb: dict, fns, options) -> tuple[jax.Array,
 
     kl = jnp.zeros(())
     if options.beta > 0:
-        ref_mean, _, _ = fns.mean(ref_params, mb)
+        ref_mean, _, _ = fns.mean(trees.reference, mb)
         ref_mean = jax.lax.stop_gradient(ref_mean)
         kl_std = std if options.kl_form == "exact" else std / jnp.sqrt(mb["sigma"] - mb["sigma_next"])
         kl_std = kernels.column(jnp.where(std > 0, kl_std, 1.0), mean)

@@ -1,8 +1,8 @@
 """LeapAlign: direct reward gradients through two leaps of an ODE trajectory (SPEC.md §6).
 
-    mb = leap_pairs(ro, cond, null, rows, weight, key, extras)     # one pair per sample
-    mb = pairs(data, rows, slots, weight, key, options)            # the objectives' shared signature
-    loss, aux = leap.loss(variables, ref_variables, mb, fns, options)
+    mb = leap_pairs(ro, sigmas, cond, null, rows, weight, key, extras)     # one pair per sample
+    mb = pairs(data, rows, slots, weight, key, options)                    # the objectives' shared signature
+    loss, aux = leap.loss(trees, mb, fns, options)                         # trees: batch.ParamTrees with `reward`
 
 The rollout is the ODE sampler (`sampler.kind="ode"`), run without gradient. Per sample, steps
 `i_k < i_j` are drawn at random (`sigma_k > sigma_j > 0`). Leap 1: `x^_j = x_k - (sigma_k - sigma_j)
@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flowrl_jax.objectives.batch import IterationData, Minibatch, ParamTrees
 from flowrl_jax.objectives.forward import weighted_mean
 from flowrl_jax.sampling import kernels
 
@@ -46,13 +47,13 @@ def slots(options, levels) -> np.ndarray:
     return np.zeros(1, np.int64)
 
 
-def pairs(data: dict, rows, slots, weight, key, options) -> dict:
-    """`leap_pairs` on {"rollout", "cond", "null"} and the reward's tokens ("reward_ids", "reward_mask")."""
-    extras = {k: data[k] for k in ("reward_ids", "reward_mask")}
-    return leap_pairs(data["rollout"], data["cond"], data["null"], rows, weight, key, extras)
+def pairs(data: IterationData, rows, slots, weight, key, options) -> Minibatch:
+    """`leap_pairs` on the iteration's data and the reward's tokens."""
+    extras = {"reward_ids": data.reward_ids, "reward_mask": data.reward_mask}
+    return leap_pairs(data.rollout, data.schedule.sigmas, data.cond, data.null, rows, weight, key, extras)
 
 
-def leap_pairs(ro, cond, null_cond, rows, weight, key, extras) -> dict:
+def leap_pairs(ro, sigmas, cond, null_cond, rows, weight, key, extras) -> Minibatch:
     """One pair per sample `rows[m]`: x_k, x_j, x0 [M, H, W, C], sigma_k, sigma_j [M], the condition and
     the objective's host-side extras (the learned reward's tokens), all of the rows."""
     num_steps = ro.states.shape[1]
@@ -60,9 +61,9 @@ def leap_pairs(ro, cond, null_cond, rows, weight, key, extras) -> dict:
     i_j = jax.random.randint(k_j, rows.shape, 1, num_steps)
     i_k = jnp.floor(jax.random.uniform(k_k, rows.shape) * i_j).astype(jnp.int32)
     pick = lambda tree: jax.tree_util.tree_map(lambda a: a[rows], tree)  # noqa: E731
-    return {"x_k": ro.states[rows, i_k], "x_j": ro.states[rows, i_j], "x0": ro.final[rows],
-            "sigma_k": ro.sigmas[i_k], "sigma_j": ro.sigmas[i_j], "cond": pick(cond), "null": pick(null_cond),
-            "weight": weight, "step": i_j, **pick(extras)}
+    return Minibatch(pairs={"x_k": ro.states[rows, i_k], "x_j": ro.states[rows, i_j], "x0": ro.final[rows],
+                            "sigma_k": sigmas[i_k], "sigma_j": sigmas[i_j], "cond": pick(cond), "null": pick(null_cond),
+                            "weight": weight, "step": i_j, **pick(extras)})
 
 
 def two_leaps(velocity, x_k, x_j, x0, sigma_k, sigma_j, gamma: float):
@@ -83,17 +84,17 @@ def leap_weights(x_j_hat, x_j, weight, tau: float):
     return jax.nn.softmax(logits), err
 
 
-def loss(variables, ref_variables, mb: dict, fns, options):
+def loss(trees: ParamTrees, mb: Minibatch, fns, options):
     gamma, tau, beta_kl = float(options["gamma"]), float(options["tau"]), float(options["beta_kl"])
     chex.assert_equal_shape([mb["x_k"], mb["x_j"], mb["x0"]])
     chex.assert_equal_shape([mb["sigma_k"], mb["sigma_j"], mb["weight"]])
-    velocity = lambda x, sigma: fns.velocity(variables, x, sigma, mb)  # noqa: E731
+    velocity = lambda x, sigma: fns.velocity(trees.policy, x, sigma, mb)  # noqa: E731
     x0_tilde, x_j_hat, v_k = two_leaps(velocity, mb["x_k"], mb["x_j"], mb["x0"], mb["sigma_k"], mb["sigma_j"], gamma)
     w, err = leap_weights(x_j_hat, mb["x_j"], mb["weight"], tau)
-    reward = fns.reward(x0_tilde, mb)
+    reward = fns.reward(trees.reward, x0_tilde, mb)
     kl = jnp.zeros(())
     if beta_kl > 0:
-        v_ref = jax.lax.stop_gradient(fns.velocity(ref_variables, mb["x_k"], mb["sigma_k"], mb))
+        v_ref = jax.lax.stop_gradient(fns.velocity(trees.reference, mb["x_k"], mb["sigma_k"], mb))
         kl = weighted_mean(jnp.mean(jnp.square(v_k - v_ref), axis=tuple(range(1, v_k.ndim))), mb["weight"])
     return -jnp.sum(w * reward) + beta_kl * kl, {"learned_reward": weighted_mean(reward, mb["weight"]), "kl": kl,
                                                  "leap_error": weighted_mean(err, mb["weight"]), "leap_weight_max": jnp.max(w)}

@@ -1,6 +1,6 @@
 """DiffusionNFT: the forward-process objective with implicit positive and negative policies (SPEC.md §6).
 
-    loss, aux = nft.loss(variables, ref_variables, mb, fns, options)   # mb: forward.forward_pairs + old_variables
+    loss, aux = nft.loss(trees, mb, fns, options)   # mb: forward.forward_pairs; trees: batch.ParamTrees with `old`
 
 Rollouts come from the *old* policy `theta_old` with a deterministic sampler (only `x0` is used);
 `r = clip((A / adv_clip_max) / 2 + 0.5, 0, 1)` maps the group advantage to an optimality probability. At
@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from flowrl_jax.objectives import forward
+from flowrl_jax.objectives.batch import Minibatch, ParamTrees
 from flowrl_jax.objectives.forward import weighted_mean
 from flowrl_jax.sampling import kernels
 
@@ -67,17 +68,17 @@ def nft_terms(v, v_old, x_t, x0, t, r, b: float):
     return (r * pos + (1 - r) * neg) / b
 
 
-def loss(variables, ref_variables, mb: dict, fns, options):
+def loss(trees: ParamTrees, mb: Minibatch, fns, options):
     b, beta_kl = float(options["beta"]), float(options["beta_kl"])
     chex.assert_equal_shape([mb["x_t"], mb["x0"]])
     chex.assert_equal_shape([mb["t"], mb["adv"], mb["weight"]])
-    v = fns.velocity(variables, mb["x_t"], mb["t"], mb)
-    v_old = fns.velocity(mb["old_variables"], mb["x_t"], mb["t"], mb)
+    v = fns.velocity(trees.policy, mb["x_t"], mb["t"], mb)
+    v_old = fns.velocity(trees.old, mb["x_t"], mb["t"], mb)
     scale = float(options["adv_clip_max"])
     r = optimality(mb["adv"], scale)
     policy_loss = scale * weighted_mean(nft_terms(v, v_old, mb["x_t"], mb["x0"], mb["t"], r, b), mb["weight"])
     kl = jnp.zeros(())
     if beta_kl > 0:
-        v_ref = jax.lax.stop_gradient(fns.velocity(ref_variables, mb["x_t"], mb["t"], mb))
+        v_ref = jax.lax.stop_gradient(fns.velocity(trees.reference, mb["x_t"], mb["t"], mb))
         kl = weighted_mean(jnp.mean(jnp.square(v - v_ref), axis=(1, 2, 3)), mb["weight"])
     return policy_loss + beta_kl * kl, {"policy_loss": policy_loss, "kl": kl, "optimality_mean": weighted_mean(r, mb["weight"])}

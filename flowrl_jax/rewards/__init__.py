@@ -7,7 +7,7 @@
 the device. Host rewards read this process's rows as numpy; device rewards (`device.py`) run jitted on the array where
 it lies, their prompts tokenized on the host and sharded like the images, so the images make no host round trip.
 Host rewards, `(images numpy, prompt rows) -> r [B]`:
-- `shapes_score`, `shapes_strict`, `learned`: the shapes world's (`worlds/shapes/rewards.py`, imported when named).
+- `shapes_score`, `shapes_strict`, `learned`: the shapes world's (`worlds/shapes/scoring.py`, imported when named).
 - `jpeg_compressibility` / `jpeg_incompressibility`: DDPO's model-free rewards (`image.py`), for any world.
 - `ocr`: flow_grpo's OCR reward, the edit distance of what an OCR engine reads to the prompt's quoted text (`ocr.py`;
   RapidOCR's PP-OCRv4, `pip install -r requirements-ocr.txt`; `ocr_paddleocr`: PaddleOCR 2.x, as flow_grpo runs it);
@@ -51,9 +51,9 @@ def _ocr(engine: str) -> Callable:
 
 
 REWARDS: dict[str, Callable[[], Callable]] = {  # host rewards
-    "shapes_score": _provided_by("flowrl_jax.worlds.shapes.rewards", "shapes_score"),
-    "shapes_strict": _provided_by("flowrl_jax.worlds.shapes.rewards", "shapes_strict"),
-    "learned": _provided_by("flowrl_jax.worlds.shapes.rewards", "learned_reward"),
+    "shapes_score": _provided_by("flowrl_jax.worlds.shapes.scoring", "shapes_score"),
+    "shapes_strict": _provided_by("flowrl_jax.worlds.shapes.scoring", "shapes_strict"),
+    "learned": _provided_by("flowrl_jax.worlds.shapes.scoring", "learned_reward"),
     "jpeg_compressibility": lambda: image.jpeg_compressibility,
     "jpeg_incompressibility": lambda: image.jpeg_incompressibility,
     "ocr": lambda: _ocr("rapidocr"),

@@ -58,7 +58,7 @@ class PolicyFns(NamedTuple):
     """What an objective may call (`objectives/__init__.py`)."""
     mean: Callable      # (variables, mb) -> (mean, std, v): the rollout's kernel at mb["x"] (kernel_mean_fn, the rollout's CFG)
     velocity: Callable  # (variables, x [M, H, W, C], sigma [M], mb) -> v with mb's condition, at CFG `velocity_cfg`
-    reward: Callable    # (images [M, H, W, C], mb) -> [M]: the world's differentiable reward (params and tokens in mb)
+    reward: Callable    # (reward_params, images [M, H, W, C], mb) -> [M]: the world's differentiable reward (tokens in mb)
 
 
 def policy_fns(policy: Policy, sampler_cfg, reward_apply: Callable | None = None, velocity_cfg: float | None = None,
@@ -70,7 +70,7 @@ def policy_fns(policy: Policy, sampler_cfg, reward_apply: Callable | None = None
     def velocity(variables, x, sigma, mb):
         return rollout_lib.guided(policy.velocity_fn(variables), mb["cond"], mb["null"], cfg, detach_uncond)(x, sigma)
 
-    def reward(images, mb):
-        return reward_apply(mb["reward_params"], images, mb["reward_ids"], mb["reward_mask"])
+    def reward(reward_params, images, mb):
+        return reward_apply(reward_params, images, mb["reward_ids"], mb["reward_mask"])
 
     return PolicyFns(kernel_mean_fn(policy, sampler_cfg, detach_uncond), velocity, reward)

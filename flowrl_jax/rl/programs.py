@@ -1,128 +1,105 @@
-"""The jit-compiled pieces of one RL iteration on a mesh, and the typed TrainState.
+"""The jitted programs of one RL iteration on the plan's mesh: a typed record built by one function, holding no state.
 
-    steps = Steps(config, mesh, world, dit, base, credit, num_prompts)
-    ro, cond, null = steps.rollout(state.params, steps.frozen, ids, mask, rng)     # batch sharded on the mesh
-    adv, credit_state, keep = steps.credit(ro, rewards, group_ids, num_groups, state.credit, extras, key)
-    state, stats = steps.update(state, steps.frozen, data, rows, slots, weight)    # one optimizer step
+    programs, frozen, state = build(plan, dit, base)      # the policy, the frozen weights placed, step 0, the programs
+    ro, cond, null = programs.rollout(state.params, frozen, ids, mask, rng, levels)       # per-row Rollout, batch sharded
+    adv, credit_state, keep = programs.credit(ro, schedule, rewards, group_ids, num_groups, state.credit, extras, key)
+    state, stats = programs.update(state, frozen, data, rows, slots, weight)   # one optimizer step; donates `state`
 
-`frozen = {"dit", "text", ...}` are the world's base weights (the KL reference and the frozen text
-encoder) and, for an objective that differentiates the reward model, `"reward"` (its params), all
-sharded by the partition rules. `data = {"rollout", "adv", "cond", "null", **objective extras}`; the
-objective builds its own training pairs from it (`objectives/__init__.py`). Everything random inside
-the update derives from `config.seed` and the update counter, so a resumed run equals an uninterrupted one.
+`data` is the iteration's `objectives.batch.IterationData`; the objective builds its own training pairs from it
+(`objectives/__init__.py`). The loop owns the state: each program that changes it takes it and returns the new one,
+and the update donates the buffers it was given. Everything random inside the update derives from `config.seed` and
+the update counter, so a resumed run equals an uninterrupted one.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from flowrl_jax import compiler, credit as credit_lib, objectives, parallel
+from flowrl_jax import compiler, credit as credit_lib, parallel
 from flowrl_jax.credit.context import Context
-from flowrl_jax.data import curriculum
+from flowrl_jax.objectives.batch import IterationData, ParamTrees
 from flowrl_jax.rl.policy import Policy, policy_fns
+from flowrl_jax.rl.state import TrainState, init_state, place_frozen, update_old_policy
 from flowrl_jax.sampling import rollout as rollout_lib, schedule, windows
 
 
-@flax.struct.dataclass
-class TrainState:
-    step: jax.Array          # iterations done
-    updates: jax.Array       # optimizer steps done (the update's randomness folds it in)
-    params: Any              # the trainable: the whole DiT, or LoRA adapters (train.lora_rank > 0)
-    ema: Any                 # EMA of params: what eval uses
-    opt_state: Any           # optax state
-    credit: dict             # the credit chain's state, one entry per scheme ({} when stateless)
-    old: Any = None          # the old policy, for objectives with `old_policy` (else None)
-    curriculum: Any = None   # per-prompt statistics when config.curriculum.enabled (else None)
+def schedule_of(sampler_cfg, levels) -> rollout_lib.Schedule:
+    """The `Schedule` of a rollout drawn at `levels [T]` (an iteration's SDE window) on the config's sigmas."""
+    return rollout_lib.Schedule(schedule.sigmas(sampler_cfg.num_steps, sampler_cfg.shift), jnp.asarray(levels, jnp.float32))
 
 
-def sampler_levels(sampler_cfg, window: tuple[int, int] | None = None) -> jax.Array:
-    """[T] noise level per step from `config.sampler`: its SDE window (`()` = every step), or `window` (start, size),
-    the window of an iteration (`sampling.windows.window_at`)."""
-    levels = rollout_lib.noise_levels(sampler_cfg.num_steps, sampler_cfg.noise_level, window or windows.base_window(sampler_cfg))
-    return levels * 0.0 if sampler_cfg.kind == "ode" else levels
+class RolloutProgram(NamedTuple):
+    """An iteration's rollout, `chunks` chunks of rows at a time (`train.rollout_chunk` rows each; one chunk without it),
+    every chunk sampled by the same `chunk` function: inside one program (`whole`), or one call per chunk from the host
+    (`start`, `chunk`, `assemble`), so that the loop can score chunk i while chunk i + 1 samples. Chunk i's rows are
+    `parallel.to_row_chunks`' chunk i (every chunk spans every batch shard). The initial noise is the whole batch's
+    either way; the step noise of chunk i comes from `fold_in(key, i)`, so a chunked rollout is another draw of the
+    same process. The outputs' rows are sharded like the batch, not left to the compiler."""
+    whole: Callable     # (trainable, frozen, ids, mask, rng, levels [T]) -> (Rollout, cond, null)
+    start: Callable     # (ids, mask, rng) -> ([chunk i's (ids, mask, x_T)], the steps' key)
+    chunk: Callable     # (trainable, frozen, chunk inputs, the steps' key, i, levels) -> chunk i's (Rollout, cond, null)
+    assemble: Callable  # [chunk i's (Rollout, cond, null)] -> the batch's, rows in order
+    chunks: int
+
+    def __call__(self, trainable, frozen, ids, mask, rng, levels, on_chunk: Callable | None = None):
+        """-> (Rollout, cond, null); with `on_chunk`, chunk by chunk from the host, `on_chunk(i, chunk i's outputs)` as soon
+        as chunk i is dispatched (its rows: `parallel.to_row_chunks`' chunk i)."""
+        if on_chunk is None:
+            return self.whole(trainable, frozen, ids, mask, rng, levels)
+        pieces, k_steps = self.start(ids, mask, rng)
+        outs = []
+        for i, rows in enumerate(pieces):
+            outs.append(self.chunk(trainable, frozen, rows, k_steps, np.int32(i), levels))
+            on_chunk(i, outs[-1])
+        return self.assemble(outs)
 
 
-LR_SCHEDULES = ("constant", "cosine")
-
-
-def learning_rate(t_cfg) -> float | optax.Schedule:
-    """`train.lr`, constant, or with `train.lr_schedule="cosine"` decayed along a cosine to a tenth of it over the
-    run's optimizer steps (`iterations x num_inner_epochs x minibatches`; an upper bound where a credit scheme drops
-    samples or `time_budget_s` stops the run early, which then ends above the tenth)."""
-    if t_cfg.lr_schedule == "constant":
-        return t_cfg.lr
-    if t_cfg.lr_schedule == "cosine":
-        total = max(1, t_cfg.iterations * t_cfg.num_inner_epochs * t_cfg.minibatches)
-        return optax.cosine_decay_schedule(t_cfg.lr, total, alpha=0.1)
-    raise ValueError(f"train.lr_schedule={t_cfg.lr_schedule!r} is not a schedule: choose one of {', '.join(LR_SCHEDULES)}")
-
-
-def make_optimizer(t_cfg) -> optax.GradientTransformation:
-    return optax.chain(optax.clip_by_global_norm(t_cfg.grad_clip),
-                       optax.adamw(learning_rate(t_cfg), b1=0.9, b2=0.999, weight_decay=t_cfg.weight_decay))
-
-
-def make_rollout_fn(policy: Policy, world, config, row_sharding: jax.sharding.NamedSharding | None = None) -> Callable:
-    """jit-able `(trainable, frozen, ids, mask, rng, levels=None) -> (Rollout, cond, null)`; `levels [T]`: the iteration's
-    noise level per step (its SDE window, `Steps.levels_at`), None = the config's fixed window. With `train.rollout_chunk`
-    (rows per chunk, 0 = all) the rows are sampled `rollout_chunk` at a time (`parallel.map_row_chunks`: each chunk
-    spans the batch shards of `row_sharding`, its outputs are written in place), so the activations held at once
-    are one chunk's: the memory plan's rollout knob. The initial noise is the whole batch's either way; the step
-    noise of chunk `i` comes from `fold_in(key, i)`, so a chunked rollout is another draw of the same process.
-    The outputs' rows are sharded like the batch (`row_sharding`), not left to the compiler."""
+def make_rollout(policy: Policy, world, config, row_sharding: jax.sharding.NamedSharding | None = None) -> RolloutProgram:
+    """The rollout's functions, jit-able (`RolloutProgram`); `row_sharding`: the batch's."""
     s, t = config.sampler, config.train
     sigmas = schedule.sigmas(s.num_steps, s.shift)
-    levels = sampler_levels(s)
     tail = windows.tail(s)
-    chunk = t.get("rollout_chunk", 0)
+    rows_total = t.prompts_per_iteration * t.group_size
+    chunks = rows_total // t.rollout_chunk if 0 < t.get("rollout_chunk", 0) < rows_total else 1
     shards = parallel.batch_shards(row_sharding.mesh) if row_sharding is not None else 1
 
-    def rows_rollout(trainable, frozen, ids, mask, x_T, key, levels):
-        cond = world.encode(frozen, ids, mask)
-        null = world.null_condition(frozen, ids.shape[0])
-        velocity = rollout_lib.guided(policy.velocity_fn(policy.sampling_variables(trainable, frozen["dit"])), cond, null, s.cfg)
-        ro = rollout_lib.rollout(velocity, x_T, sigmas, levels, key, s.kind, policy.dit.patch_size, s.logprob_form, **tail)
-        return ro, cond, null
-
-    def noise(ids, rng):  # -> (x_T [B, ...], the steps' key): the whole batch's initial noise either way
+    def noise(ids, rng):  # -> (x_T [B, ...], the steps' key): the whole batch's initial noise, chunked or not
         k_noise, k_steps = jax.random.split(rng)
         return rollout_lib.initial_noise(k_noise, world.latent_shape(ids.shape[0]), t.group_size, s.same_noise_per_group), k_steps
 
-    def one(trainable, frozen, rows, k_steps, i, levels=levels):  # chunk i's rollout, its per-row parts only
-        ids_c, mask_c, x_c = rows
-        ro, cond, null = rows_rollout(trainable, frozen, ids_c, mask_c, x_c, jax.random.fold_in(k_steps, i), levels)
-        return ro.replace(sigmas=None, noise_levels=None), cond, null
+    def chunk(trainable, frozen, rows, k_steps, i, levels):
+        ids, mask, x_T = rows
+        cond = world.encode(frozen, ids, mask)
+        null = world.null_condition(frozen, ids.shape[0])
+        velocity = rollout_lib.guided(policy.velocity_fn(policy.sampling_variables(trainable, frozen["dit"])), cond, null, s.cfg)
+        key = jax.random.fold_in(k_steps, i) if chunks > 1 else k_steps
+        ro = rollout_lib.rollout(velocity, x_T, sigmas, levels, key, s.kind, policy.dit.patch_size, s.logprob_form, **tail)
+        return ro, cond, null
 
-    def rollout_fn(trainable, frozen, ids, mask, rng, levels=levels):
+    def whole(trainable, frozen, ids, mask, rng, levels):
         x_T, k_steps = noise(ids, rng)
-        if not chunk or chunk >= ids.shape[0]:
-            return parallel.constrain_rows(rows_rollout(trainable, frozen, ids, mask, x_T, k_steps, levels), row_sharding, ids.shape[0])
-        out = parallel.map_row_chunks(lambda i, rows: one(trainable, frozen, rows, k_steps, i, levels), (ids, mask, x_T),
-                                      ids.shape[0] // chunk, shards, row_sharding)
-        ro, cond, null = parallel.constrain_rows(out, row_sharding, ids.shape[0])
-        return ro.replace(sigmas=sigmas, noise_levels=levels), cond, null
+        b = ids.shape[0]
+        if chunks == 1:
+            return parallel.constrain_rows(chunk(trainable, frozen, (ids, mask, x_T), k_steps, 0, levels), row_sharding, b)
+        out = parallel.map_row_chunks(lambda i, rows: chunk(trainable, frozen, rows, k_steps, i, levels), (ids, mask, x_T),
+                                      chunks, shards, row_sharding)
+        return parallel.constrain_rows(out, row_sharding, b)
 
-    # The same chunks, one jitted call each from the host (`Steps.rollout_in_chunks`): the loop can score chunk i while
-    # chunk i + 1 samples. `start` cuts the inputs into chunks (`to_row_chunks`), `one` samples one, `assemble` puts
-    # the chunks' outputs back in row order.
     def start(ids, mask, rng):
         x_T, k_steps = noise(ids, rng)
-        pieces = jax.tree_util.tree_map(lambda a: parallel.to_row_chunks(a, ids.shape[0] // chunk, shards), (ids, mask, x_T))
-        return [jax.tree_util.tree_map(lambda a: a[i], pieces) for i in range(ids.shape[0] // chunk)], k_steps
+        pieces = jax.tree_util.tree_map(lambda a: parallel.to_row_chunks(a, chunks, shards), (ids, mask, x_T))
+        return [jax.tree_util.tree_map(lambda a: a[i], pieces) for i in range(chunks)], k_steps
 
-    def assemble(outs, levels=levels):
-        rows = jax.tree_util.tree_map(lambda *chunks: parallel.from_row_chunks(chunks, shards), *outs)
-        ro, cond, null = parallel.constrain_rows(rows, row_sharding, rows[0].final.shape[0])
-        return ro.replace(sigmas=sigmas, noise_levels=levels), cond, null
+    def assemble(outs):
+        rows = jax.tree_util.tree_map(lambda *parts: parallel.from_row_chunks(parts, shards), *outs)
+        return parallel.constrain_rows(rows, row_sharding, rows[0].final.shape[0])
 
-    rollout_fn.start, rollout_fn.chunk, rollout_fn.assemble = start, one, assemble
-    return rollout_fn
+    return RolloutProgram(whole, start, chunk, assemble, chunks)
 
 
 def make_completion_fn(policy: Policy, config) -> Callable:
@@ -140,29 +117,26 @@ def make_completion_fn(policy: Policy, config) -> Callable:
 
 
 def make_credit_fn(credit, drops_zero_advantage: bool, null_control: bool = False) -> Callable:
-    """`(ro, rewards, group_ids, num_groups, credit_state, extras, key) -> (A, credit_state, keep [B])`; objectives
-    with per-step ratios drop samples with no advantage on a trained step (SPEC §2), the others keep all.
+    """`(ro, schedule, rewards, group_ids, num_groups, credit_state, extras, key) -> (A, credit_state, keep [B])`; objectives
+    with per-step ratios drop samples with no advantage on a trained step (docs/math.md §2), the others keep all.
     `null_control` (`config.advantage.null_control`): the chain's advantages `A[b, t, k]` are then shuffled
     between the samples of each group (`key`), so the run trains on the same advantage values attached to
     the wrong samples: its expected policy gradient is zero, and what such a run does is drift, not learning."""
-    def credit_fn(ro, rewards, group_ids, num_groups, credit_state, extras, key):
-        inputs = {"rollout": ro, "rewards": rewards, "group_ids": group_ids, "num_groups": num_groups, **extras}
+    def credit_fn(ro, sched, rewards, group_ids, num_groups, credit_state, extras, key):
+        inputs = {"rollout": ro, "schedule": sched, "rewards": rewards, "group_ids": group_ids, "num_groups": num_groups, **extras}
         adv, credit_state = credit.apply(inputs, credit_state)
         if null_control:
             adv = credit_lib.group.permute_within_groups(adv, group_ids, key)
-        keep = credit_lib.kept_samples(adv, ro.trained) if drops_zero_advantage else jnp.ones(rewards.shape, bool)
+        keep = credit_lib.kept_samples(adv, sched.trained) if drops_zero_advantage else jnp.ones(rewards.shape, bool)
         return adv, credit_state, keep
 
     return credit_fn
 
 
-SHARED_PAIR_FIELDS = ("all_sigmas", "all_levels", "sigma_1", "adv_floor")  # minibatch fields without a pair axis
-
-
 def make_update_fn(policy: Policy, objective, options, optimizer, config, reward_apply: Callable | None = None,
                    pair_sharding: jax.sharding.NamedSharding | None = None) -> Callable:
     """jit-able `(state, frozen, data, rows, slots, weight) -> (state, stats)`: one optimizer step of the
-    objective on its pairs `(rows[m], slots[m])` of the iteration's `data`.
+    objective on its pairs `(rows[m], slots[m])` of the iteration's `data` (`IterationData`).
 
     `train.microbatch` (pairs per forward/backward, 0 = the whole minibatch): the minibatch's M pairs run
     `microbatch` at a time in a `lax.scan` that sums each microbatch's gradient times its share of the weight,
@@ -171,23 +145,20 @@ def make_update_fn(policy: Policy, objective, options, optimizer, config, reward
     minibatch becomes one per microbatch (lambda control's per-step budget test, LeapAlign's softmax), and the
     reported stats are the weight-share means of the microbatches' (exact for the loss and weighted means).
     The objective's randomness is `key` unsplit, or `fold_in(key, j)` for microbatch j. `pair_sharding`: the
-    pairs' sharding (the batch axes), imposed on the minibatch so every device computes its own pairs."""
+    pairs' sharding (the batch axes), imposed on the minibatch's per-pair part so every device computes its own pairs."""
     fns = policy_fns(policy, config.sampler, reward_apply, options.get("train_cfg", 0.0) or None, options.get("detach_uncond", False))
     ema_decay, ema_every = config.train.ema_decay, config.train.ema_every
     microbatch = config.train.get("microbatch", 0)
 
-    def constrain(mb, size):
-        return {k: v if k in SHARED_PAIR_FIELDS else parallel.constrain_rows(v, pair_sharding, size) for k, v in mb.items()}
-
     def value_and_grad(state: TrainState, frozen, data, rows, slots, weight, key):
-        mb = constrain(objective.pairs(data, rows, slots, weight, key, options), rows.shape[0])
-        if objective.uses_reward_model:
-            mb["reward_params"] = frozen["reward"]
-        if objective.old_policy is not None:
-            mb["old_variables"] = policy.variables(state.old, frozen["dit"])
+        mb = objective.pairs(data, rows, slots, weight, key, options)
+        mb = mb.replace(pairs=parallel.constrain_rows(mb.pairs, pair_sharding, rows.shape[0]))
+        old = policy.variables(state.old, frozen["dit"]) if objective.old_policy is not None else None
+        reward = frozen["reward"] if objective.uses_reward_model else None
 
         def loss(trainable):
-            return objective.loss(policy.variables(trainable, frozen["dit"]), {"params": frozen["dit"]}, mb, fns, options)
+            trees = ParamTrees(policy.variables(trainable, frozen["dit"]), {"params": frozen["dit"]}, old, reward)
+            return objective.loss(trees, mb, fns, options)
 
         return jax.value_and_grad(loss, has_aux=True)(state.params)
 
@@ -195,8 +166,6 @@ def make_update_fn(policy: Policy, objective, options, optimizer, config, reward
         m = rows.shape[0]
         if not microbatch or microbatch >= m:
             return value_and_grad(state, frozen, data, rows, slots, weight, key)
-        if m % microbatch:
-            raise ValueError(f"train.microbatch={microbatch} must divide the minibatch's {m} pairs")
         total = jnp.maximum(weight.sum(), 1e-8)
 
         def body(acc, inputs):
@@ -210,7 +179,7 @@ def make_update_fn(policy: Policy, objective, options, optimizer, config, reward
         zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
         return jax.lax.scan(body, zeros, chunks)[0]
 
-    def update(state: TrainState, frozen, data, rows, slots, weight):
+    def update(state: TrainState, frozen, data: IterationData, rows, slots, weight):
         key = jax.random.fold_in(jax.random.PRNGKey(config.seed + 2), state.updates)
         (value, aux), grads = accumulated(state, frozen, data, rows, slots, weight, key)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -255,21 +224,6 @@ def make_image_change_fn(policy: Policy, world, config) -> Callable:
     return image_change
 
 
-def initial_state(policy: Policy, optimizer, credit, objective, config, num_prompts: int, frozen_dit, rng) -> TrainState:
-    """The TrainState at step 0: the policy's trainable params (and their EMA, optimizer state, old policy) from `rng`."""
-    params = policy.init(frozen_dit, rng)
-    return TrainState(step=jnp.zeros((), jnp.int32), updates=jnp.zeros((), jnp.int32), params=params, ema=params,
-                      opt_state=optimizer.init(params), credit=credit.init(), old=params if objective.old_policy is not None else None,
-                      curriculum=jax.tree_util.tree_map(jnp.asarray, curriculum.init(num_prompts)) if config.curriculum.enabled else None)
-
-
-def update_old_policy(state: TrainState, decay: Callable) -> TrainState:
-    """The old policy after an iteration: `old <- d old + (1 - d) params`, `d = decay(updates)`, the optimizer steps
-    done, as DiffusionNFT's `return_decay(global_step)` counts them (objectives/__init__.py)."""
-    d = decay(state.updates.astype(jnp.float32))
-    return state.replace(old=jax.tree_util.tree_map(lambda o, p: d * o + (1 - d) * p, state.old, state.params))
-
-
 def reward_gradient_fn(reward_model, mesh) -> Callable:
     """`(x [B, H, W, C], prompt rows) -> d R / d x` of the world's reward model (jit), its params replicated
     on `mesh` and the prompt tokens sharded like the batch."""
@@ -279,116 +233,75 @@ def reward_gradient_fn(reward_model, mesh) -> Callable:
     return lambda x, prompts: grad(x, params, *parallel.shard_batch(tokenize(prompts), mesh))
 
 
-def minibatch_pairs(t_cfg, num_slots: int) -> int:
-    """Pairs per optimizer step: the iteration's samples x slots over `train.minibatches`, rounded up to a whole
-    number of `train.microbatch`es (the padding pairs have weight 0)."""
-    pairs = -(-t_cfg.prompts_per_iteration * t_cfg.group_size * num_slots // t_cfg.minibatches)
-    micro = t_cfg.get("microbatch", 0)
-    return -(-pairs // micro) * micro if micro else pairs
+class Programs(NamedTuple):
+    """The jitted programs of one run (module doc) and the policy they run; built by `compile_programs`."""
+    policy: Policy
+    state_shardings: Any                 # the TrainState's shardings (what a host-side change is placed by)
+    rollout: RolloutProgram
+    credit: Callable                     # num_groups (argument 4) static
+    complete: Callable                   # `steps` (argument 5) static
+    image_change: Callable
+    update: Callable                     # donates its state
+    update_old_policy: Callable | None   # objectives with an old policy, else None
+    reward_gradient: Callable | None     # credit schemes that differentiate the reward model, else None
+    reward_tokens: Callable | None       # objectives that do: host prompt rows -> (ids, mask) batch-sharded, else None
 
 
-def minibatches(keep: np.ndarray, slots: np.ndarray, size: int, rng: np.random.Generator):
-    """(rows, slots, weight) chunks of `size` over the kept samples x training slots, the samples in a
-    shuffled order and each sample's pairs together (as Flow-GRPO accumulates all of a sample's steps into
-    one optimizer step), so that in the first epoch a chunk's samples are unseen by the updates before it
-    (but where a sample straddles two chunks); the last chunk is padded with weight-0 pairs so every update
-    has one compiled shape."""
-    rows, steps = np.meshgrid(rng.permutation(np.flatnonzero(keep)), slots, indexing="ij")
-    pairs = np.stack([rows.ravel(), steps.ravel()], 1)
-    for start in range(0, len(pairs), size):
-        chunk = pairs[start : start + size]
-        weight = np.ones(size, np.float32)
-        if len(chunk) < size:
-            weight[len(chunk):] = 0.0
-            chunk = np.concatenate([chunk, np.repeat(chunk[:1], size - len(chunk), 0)])
-        yield chunk[:, 0].astype(np.int32), chunk[:, 1].astype(np.int32), weight
+def compile_programs(plan, policy: Policy, frozen_shardings, state_shardings, reward_model=None) -> Programs:
+    """Every program of an iteration, jitted with the plan's shardings (compiled at their first call); `reward_model`:
+    the world's (`worlds.RewardModel`), when the plan uses it."""
+    config, mesh = plan.config, plan.mesh
+    options = plan.loss_options(policy.dit.patch_size)
+    data, replicated = parallel.batch_sharding(mesh), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    pieces = make_rollout(policy, plan.world, config, data)
+    rollout = RolloutProgram(
+        whole=jax.jit(pieces.whole, in_shardings=(state_shardings.params, frozen_shardings, data, data, replicated, replicated)),
+        start=jax.jit(pieces.start, in_shardings=(data, data, replicated), out_shardings=([data] * pieces.chunks, replicated)),
+        chunk=jax.jit(pieces.chunk, in_shardings=(state_shardings.params, frozen_shardings, data, replicated, None, replicated),
+                      out_shardings=data),
+        assemble=jax.jit(pieces.assemble), chunks=pieces.chunks)
+    objective = plan.objective
+    uses_reward = objective.uses_reward_model
+    update = jax.jit(make_update_fn(policy, objective, options, plan.optimizer, config, reward_model.apply if uses_reward else None, data),
+                     out_shardings=(state_shardings, None), donate_argnums=0, compiler_options=compiler.backward_options())
+    old = None
+    if objective.old_policy is not None:
+        old = jax.jit(functools.partial(update_old_policy, decay=lambda step: objective.old_policy(step, options)),
+                      out_shardings=state_shardings, donate_argnums=0)
+    reward_tokens = None
+    if uses_reward:
+        reward_tokens = lambda prompts: parallel.shard_batch(reward_model.tokenize(prompts), mesh)  # noqa: E731
+    return Programs(
+        policy=policy, state_shardings=state_shardings, rollout=rollout,
+        credit=jax.jit(make_credit_fn(plan.credit, "step" in objective.offers(options), config.advantage.null_control), static_argnums=4),
+        complete=jax.jit(make_completion_fn(policy, config), static_argnums=5),
+        image_change=jax.jit(make_image_change_fn(policy, plan.world, config)),
+        update=update, update_old_policy=old,
+        reward_gradient=reward_gradient_fn(reward_model, mesh) if plan.credit.uses_reward_model else None,
+        reward_tokens=reward_tokens)
 
 
-class Steps:
-    """The jit-compiled pieces of one iteration on `mesh` (module doc), the initial TrainState, the
-    objective's training slots and minibatch size, and the host-side tools of credit schemes."""
+def build(plan, dit, base: dict) -> tuple[Programs, dict, TrainState]:
+    """-> (programs, frozen, the step-0 state): the policy, the base weights placed (with the reward model's when the
+    objective differentiates it), the state created sharded, and the programs; what the train job's setup builds."""
+    t = plan.config.train
+    policy = Policy(dit, t.lora_rank, t.lora_init)
+    reward_model = plan.world.reward_model() if plan.uses_reward_model else None
+    frozen, frozen_shardings = place_frozen(plan, base, reward_model.params if plan.objective.uses_reward_model else None)
+    state, state_shardings = init_state(plan, policy, frozen)
+    return compile_programs(plan, policy, frozen_shardings, state_shardings, reward_model), frozen, state
 
-    def __init__(self, config, mesh, world, dit, base: dict, credit, num_prompts: int = 0):
-        t_cfg = config.train
-        self.mesh, self.world = mesh, world
-        self.policy = policy = Policy(dit, t_cfg.lora_rank, t_cfg.lora_init)
-        self.objective = objective = objectives.get(config.objective.name)
-        self.options = options = objectives.resolve_options(config, dit.patch_size)
-        optimizer = make_optimizer(t_cfg)
-        rules, min_size = config.partition_rules, config.min_fsdp_size
-        reward_apply, self._reward_tokenize = None, None
-        if objective.uses_reward_model:
-            reward_apply, reward_params, self._reward_tokenize = world.reward_model()
-            base = {**base, "reward": reward_params}
-        frozen_shardings = parallel.tree_shardings(base, mesh, rules, min_size)
-        self.frozen = parallel.put_global(base, frozen_shardings)
 
-        init_state = functools.partial(initial_state, policy, optimizer, credit, objective, config, num_prompts, self.frozen["dit"])
-        rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
-        self.shardings = parallel.tree_shardings(jax.eval_shape(init_state, rng), mesh, rules, min_size)
-        self.state = jax.jit(init_state, out_shardings=self.shardings)(rng)
-        data, replicated = parallel.batch_sharding(mesh), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        rollout_fn = make_rollout_fn(policy, world, config, data)
-        self._rollout = jax.jit(rollout_fn, in_shardings=(self.shardings.params, frozen_shardings, data, data, replicated, replicated))
-        num_chunks = t_cfg.prompts_per_iteration * t_cfg.group_size // t_cfg.rollout_chunk if t_cfg.get("rollout_chunk") else 1
-        self._rollout_start = jax.jit(rollout_fn.start, in_shardings=(data, data, replicated), out_shardings=([data] * num_chunks, replicated))
-        self._rollout_chunk = jax.jit(rollout_fn.chunk, in_shardings=(self.shardings.params, frozen_shardings, data, replicated, None,
-                                                                      replicated), out_shardings=data)
-        self._rollout_assemble = jax.jit(rollout_fn.assemble)
-        self.credit = jax.jit(make_credit_fn(credit, "step" in objective.offers(options), config.advantage.null_control), static_argnums=3)
-        self.complete = jax.jit(make_completion_fn(policy, config), static_argnums=5)
-        self.image_change = jax.jit(make_image_change_fn(policy, world, config))
-        self.update = jax.jit(make_update_fn(policy, objective, options, optimizer, config, reward_apply, data),
-                              out_shardings=(self.shardings, None), donate_argnums=0, compiler_options=compiler.backward_options())
-        if objective.old_policy is not None:
-            self.update_old_policy = jax.jit(functools.partial(update_old_policy, decay=lambda step: objective.old_policy(step, options)),
-                                             out_shardings=self.shardings, donate_argnums=0)
-        self.sampler, self.seed = config.sampler, config.seed
-        self.levels = np.asarray(sampler_levels(config.sampler))  # the config's window's levels (the default rollout's)
-        self.slots = self.slots_at(self.levels)  # its slots (every window of the schedule has its size)
-        self.minibatch_size = minibatch_pairs(t_cfg, len(self.slots))
-        self._reward_gradient = None
+def iteration_data(programs: Programs, ro, sched, adv, cond, null, key, prompts_local: list[dict]) -> IterationData:
+    """The update's view of an iteration (`IterationData`), with the reward model's tokens when the objective asks."""
+    ids, mask = programs.reward_tokens(prompts_local) if programs.reward_tokens is not None else (None, None)
+    return IterationData(ro, sched, adv, cond, null, key, ids, mask)
 
-    def levels_at(self, it: int) -> np.ndarray:
-        """[T] the noise level per step at iteration `it`: the SDE window of `sampler.window`'s schedule (`sampling.windows`)."""
-        return np.asarray(sampler_levels(self.sampler, windows.window_at(self.sampler, it, self.seed)))
 
-    def slots_at(self, levels: np.ndarray) -> np.ndarray:
-        """The objective's training slots for a rollout drawn at `levels` (the SDE window's steps, for grpo)."""
-        return self.objective.slots(self.options, np.asarray(levels))
+def credit_context(programs: Programs, world, mesh, frozen: dict, params, ro, sched, cond, null, prompts_local: list[dict],
+                   reward_fn: Callable) -> Context:
+    """The credit schemes' host-side tools for this iteration (`credit.context`); `params`: the policy the rollout drew."""
+    def complete(states, steps):
+        return programs.complete(params, frozen, cond, null, states, tuple(int(t) for t in steps))
 
-    def rollout(self, trainable, frozen, ids, mask, rng, levels=None) -> tuple:
-        """-> (Rollout, cond, null) at `levels [T]` (None: the config's fixed window), batch sharded on the mesh."""
-        return self._rollout(trainable, frozen, ids, mask, rng, self.levels if levels is None else levels)
-
-    def rollout_in_chunks(self, trainable, frozen, ids, mask, rng, on_chunk: Callable, levels=None) -> tuple:
-        """`rollout` (with `train.rollout_chunk`) run one chunk per call from the host: `on_chunk(i, (ro_i, cond_i, null_i))`
-        as soon as chunk i is dispatched (its rows: `parallel.to_row_chunks`' chunk i), while chunk i + 1 samples.
-        -> (Rollout, cond, null)."""
-        levels = self.levels if levels is None else levels
-        pieces, k_steps = self._rollout_start(ids, mask, rng)
-        outs = []
-        for i, rows in enumerate(pieces):
-            outs.append(self._rollout_chunk(trainable, frozen, rows, k_steps, np.int32(i), levels))
-            on_chunk(i, outs[-1])
-        return self._rollout_assemble(outs, levels)
-
-    def objective_extras(self, prompts_local: list[dict]) -> dict:
-        """The objective's host-side inputs for this iteration (the reward model's tokens), batch-sharded."""
-        if self._reward_tokenize is None:
-            return {}
-        ids, mask = self._reward_tokenize(prompts_local)
-        return dict(zip(("reward_ids", "reward_mask"), parallel.shard_batch((ids, mask), self.mesh)))
-
-    def context(self, state: TrainState, ro, cond, null, prompts_local, reward_fn) -> Context:
-        """The credit schemes' host-side tools for this iteration (`credit.context`)."""
-        def complete(states, steps):
-            return self.complete(state.params, self.frozen, cond, null, states, tuple(int(t) for t in steps))
-
-        def reward_gradient(x, prompts):
-            if self._reward_gradient is None:  # built on first use: only spatial credit needs it
-                self._reward_gradient = reward_gradient_fn(self.world.reward_model(), self.mesh)
-            return self._reward_gradient(x, prompts)
-
-        return Context(ro, prompts_local, reward_fn, self.mesh, complete, reward_gradient,
-                       lambda x: self.world.decode(self.frozen, x))
+    return Context(ro, sched, prompts_local, reward_fn, mesh, complete, programs.reward_gradient, lambda x: world.decode(frozen, x))

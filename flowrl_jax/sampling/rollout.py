@@ -1,15 +1,18 @@
-"""Trajectories of the reverse process under one transition kernel, as a `lax.scan` (SPEC.md §1, §6).
+"""Trajectories of the reverse process under one transition kernel, as a `lax.scan` (docs/math.md §1, §6).
 
     velocity = guided(velocity_fn, cond, null_cond, cfg)         # CFG velocity, (x, sigma) -> v
-    ro = rollout(velocity, x_T, sigmas, noise_levels(T, a, window), rng, kind="sde", patch_size=p)
+    schedule = Schedule(sigmas, noise_levels(T, a, window))      # the steps, shared by every row
+    ro = rollout(velocity, x_T, schedule.sigmas, schedule.levels, rng, kind="sde", patch_size=p)
     images = ro.final                                            # [B, H, W, C]
     x0 = sample(velocity, x_T, sigmas)                           # ODE, final sample only
     x0s = complete(velocity_of, states [B, m, ...], steps, sigmas)  # ODE from states mid-trajectory
 
 A `Rollout` holds, per sample and step (`[B, T, ...]`, batch first so that it shards on the mesh's
 data axes): the state `x_t`, the next state, the kernel's mean and std, the per-token log-prob `l[b, t, k]`
-of the next state, and the Tweedie estimate `x0_hat = x_t - sigma_t v`. Steps outside the SDE window
-run the ODE (noise level 0, std 0, log-prob 0) and are never trained (`trained`).
+of the next state, and the Tweedie estimate `x0_hat = x_t - sigma_t v`: every field has the row axis, so a
+rollout sampled in chunks of rows is the chunks side by side. The `Schedule` it was drawn on (sigmas, noise
+level per step) is shared by every row and kept apart. Steps outside the SDE window run the ODE (noise level
+0, std 0, log-prob 0) and are never trained (`Schedule.trained`).
 
 Everything is a global `jax.Array`: jit it with the batch sharded on the mesh (`parallel.batch_sharding`)
 and it runs unchanged on one device, eight, or a multi-host pod; the noise is drawn inside for the global
@@ -30,27 +33,33 @@ from flowrl_jax.sampling import kernels
 
 @flax.struct.dataclass
 class Rollout:
+    """Per row (the batch axis first in every field)."""
     states: jax.Array        # [B, T, H, W, C] x_t before step t
     next_states: jax.Array   # [B, T, H, W, C]
     means: jax.Array         # [B, T, H, W, C] kernel mean under the rollout policy
     stds: jax.Array          # [B, T]
     logp: jax.Array          # [B, T, N] per-token log-prob of next_states (0 on ODE steps)
     x0_hat: jax.Array        # [B, T, H, W, C] Tweedie estimate at x_t
-    sigmas: jax.Array        # [T + 1]
-    noise_levels: jax.Array  # [T] the kernel's `a` per step, 0 outside the SDE window
 
     @property
     def final(self) -> jax.Array:
         return self.next_states[:, -1]
 
+
+@flax.struct.dataclass
+class Schedule:
+    """The steps a rollout was drawn on, shared by every row."""
+    sigmas: jax.Array        # [T + 1] step t goes sigmas[t] -> sigmas[t + 1]
+    levels: jax.Array        # [T] the kernel's noise level `a` per step, 0 outside the SDE window
+
     @property
     def trained(self) -> jax.Array:
         """[T] bool: the steps an objective trains on (inside the SDE window)."""
-        return self.noise_levels > 0
+        return self.levels > 0
 
 
 def guided(velocity_fn: Callable, cond: Any, null_cond: Any, cfg: float, detach_uncond: bool = False) -> Callable:
-    """`(x, sigma [B]) -> v_u + cfg (v_c - v_u)` (SPEC §0), both branches in one doubled batch;
+    """`(x, sigma [B]) -> v_u + cfg (v_c - v_u)` (docs/math.md §0), both branches in one doubled batch;
     `velocity_fn(x, sigma, cond) -> v`. cfg == 1 skips the unconditional branch. `detach_uncond`
     (Flow-GRPO's training forward): no gradient through `v_u`, and the two branches run as two
     batches so that the backward pass covers the conditional one only."""
@@ -174,7 +183,7 @@ def rollout(velocity: Callable, x_T, sigmas, levels, rng, kind: str = "sde", pat
     chex.assert_shape([states, next_states, means, x0_hat], (b, num_steps) + tuple(x_T.shape[1:]))
     chex.assert_shape(stds, (b, num_steps))
     chex.assert_shape(logp, (b, num_steps, None))
-    return Rollout(states, next_states, means, stds, logp, x0_hat, sigmas, levels)
+    return Rollout(states, next_states, means, stds, logp, x0_hat)
 
 
 def sample(velocity: Callable, x_T, sigmas) -> jax.Array:

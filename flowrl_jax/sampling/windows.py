@@ -1,6 +1,7 @@
 """Where the SDE window sits at each iteration (SPEC.md §1): fixed, drawn at random (Flow-GRPO-Fast) or sliding (MixGRPO).
 
     start, size = window_at(config.sampler, it, seed)        # host ints, the same on every process
+    levels = levels_at(config.sampler, it, seed)             # [T] the noise level per step of iteration `it`
 
 `sampler.sde_window = (start, size)` is the window (`()` = every step); `sampler.window` (`DEFAULTS`) says how it moves:
 - `fixed`: the same window every iteration (Flow-GRPO, DanceGRPO).
@@ -17,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from flowrl_jax.options import resolve
-from flowrl_jax.sampling.rollout import check_tail
+from flowrl_jax.sampling.rollout import check_tail, noise_levels
 
 SCHEDULES = ("fixed", "random", "sliding")
 DEFAULTS = {"schedule": "fixed", "range": (), "shift_every": 25, "stride": 1, "wrap": True, "tail_solver": "euler", "tail_ratio": 1.0}
@@ -55,3 +56,15 @@ def window_at(sampler, it: int, seed: int) -> tuple[int, int]:
         last = steps - size
         return (start % (last + 1) if o.wrap else min(start, last)), size
     return start, size
+
+
+def sampler_levels(sampler, window: tuple[int, int] | None = None) -> np.ndarray:
+    """[T] noise level per step: `sampler.noise_level` on the SDE window's steps (`window` (start, size), or the config's
+    own), 0 elsewhere, and 0 everywhere for the `ode` sampler."""
+    levels = np.asarray(noise_levels(sampler.num_steps, sampler.noise_level, window or base_window(sampler)))
+    return levels * 0.0 if sampler.kind == "ode" else levels
+
+
+def levels_at(sampler, it: int, seed: int) -> np.ndarray:
+    """[T] the noise level per step at iteration `it`: the SDE window of `sampler.window`'s schedule (module doc)."""
+    return sampler_levels(sampler, window_at(sampler, it, seed))

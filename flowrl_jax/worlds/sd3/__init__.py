@@ -1,16 +1,17 @@
 """The latent world: a diffusers SD3 / SD3.5 pipeline folder (CLIP-L/G + T5, MMDiT, 16-channel VAE) in JAX.
 
     config.world = worlds.config_fields("sd3")        # pipeline folder, prompt datasets, resolution, ...
-    world = SD3World(config)
+    world = SD3World(config.world, config.eval, facts)   # facts: worlds.RunFacts (seed, rewards, mesh, placement)
 
 prompts -> the three tokenizers (host) -> `encode` (jit: diffusers' `encode_prompt`) -> the DiT's rollout in
-latent space -> `decode` (the VAE) -> rewards on images -> eval on the held-out prompts. Prompt sets are
+latent space -> `decode` (the VAE) -> rewards on images -> eval on the held-out prompts. The pipeline itself
+(encode_prompt, the sampler, loading a diffusers folder) is `pipeline.py`. Prompt sets are
 ArrayRecord datasets written by `python -m flowrl_jax.data.datasets` (a folder + split) or, for small sets,
 the source file itself (JSONL or one prompt per line). The train prompts are read per process by a grain
 `PromptReader` (`data/datasets.py`): each process gets its own `prompts_per_iteration / process_count`
 prompts, and the reader's position is saved in the checkpoint so a resumed run continues the same order.
-Rewards are `rewards.REWARDS` by name (image rewards: any world's). The text encoders and the VAE are
-frozen (`frozen = {"dit", "text", "vae"}`).
+Rewards are `rewards.REWARDS` by name (image rewards: any world's), the run's `facts.rewards`. The text
+encoders and the VAE are frozen (`frozen = {"dit", "text", "vae"}`).
 
 Text encoding, a config choice (`world.text_cache`): on the fly (False: `frozen["text"]` holds CLIP-L/G and
 T5, every rollout encodes its rows), or cached (True: every train and test prompt and the empty one are
@@ -29,8 +30,9 @@ import numpy as np
 from tqdm import tqdm
 
 from flowrl_jax import metrics, parallel, rewards
-from flowrl_jax.rewards import device
 from flowrl_jax.data import datasets
+from flowrl_jax.rewards import device
+from flowrl_jax.worlds.protocol import Evaluation, RewardModel, RunFacts
 from flowrl_jax.worlds.sd3.pipeline import load_sd3_pipeline
 
 DEFAULTS = {
@@ -60,28 +62,33 @@ def prompt_set(path: str, split: str) -> datasets.PromptDataset:
 class SD3World:
     eval_name, eval_rows = "Reward on the test prompts", "prompts"
 
-    def __init__(self, config):
-        w = config.world
+    @staticmethod
+    def check(settings) -> None:
+        """The settings a run needs, checked without reading a file (ValueError naming the field)."""
         for field in ("pipeline", "train_prompts"):
-            if not w[field]:
+            if not settings[field]:
                 raise ValueError(f"config.world.{field} is required for the sd3 world: pass --config.world.{field}=...")
+
+    def __init__(self, settings, eval_settings, facts: RunFacts):
+        w = settings
+        self.check(settings)
         if not os.path.isdir(w.pipeline):
             raise FileNotFoundError(f"config.world.pipeline: folder {w.pipeline} not found (a diffusers SD3 pipeline folder)")
         test = prompt_set(w.test_prompts, "test") if w.test_prompts else []
-        self._set_fields(config, prompt_set(w.train_prompts, "train"), [test[i] for i in range(len(test))], pipe=None)
+        self._set_fields(settings, eval_settings, facts, prompt_set(w.train_prompts, "train"), [test[i] for i in range(len(test))], pipe=None)
 
     @classmethod
-    def around(cls, config, pipe, row_sharding) -> "SD3World":
+    def around(cls, settings, eval_settings, facts: RunFacts, pipe) -> "SD3World":
         """A world around an already built pipeline, with no prompt sets or folders: what compiling the train job's
-        functions from abstract shapes needs (`benchmarks/memory_plan.py`); `row_sharding`: the batch's."""
+        functions from abstract shapes needs (`benchmarks/memory_plan.py`)."""
         world = cls.__new__(cls)
-        world._set_fields(config, [], [], pipe)
-        world._rows = row_sharding
+        world._set_fields(settings, eval_settings, facts, [], [], pipe)
         return world
 
-    def _set_fields(self, config, train_prompts, test_prompts: list, pipe) -> None:
-        self.config, self.world_cfg, self.eval_cfg, self.seed = config, config.world, config.eval, config.seed
-        self.train_prompts, self.test_prompts, self.rewards = train_prompts, test_prompts, config.train.rewards
+    def _set_fields(self, settings, eval_settings, facts: RunFacts, train_prompts, test_prompts: list, pipe) -> None:
+        self.world_cfg, self.eval_cfg, self.facts = settings, eval_settings, facts
+        self._rows = parallel.batch_sharding(facts.mesh)
+        self.train_prompts, self.test_prompts = train_prompts, test_prompts
         self.pipe, self._sampler, self._reward_fn, self.reader = pipe, None, None, None
 
     # ------------------------------------------------------------------------------------------ model
@@ -92,17 +99,15 @@ class SD3World:
                                               attention=w.get("attention", "xla"), scan_blocks=w.get("scan_blocks", "auto"))
         self.latent_shape(1)  # the resolution fits the VAE and the patch size (ValueError otherwise)
         self._vae = params["vae"]  # host; the latent reward model decodes with it (`reward_model`)
-        self._rows = parallel.batch_sharding(parallel.make_mesh(self.config.mesh))
         self._decode = jax.jit(self.decode_rows)  # called on the host's rollouts too (score): one program, not op by op
         if w.text_cache:
             params = {**params, "text": self._encode_all(self.place(params["text"]))}
         return self.pipe.dit, params
 
     def place(self, host_params):
-        """Host weights -> global arrays sharded by the config's partition rules, each device given only its own
-        pieces (`parallel.put_global`); the train job places the whole frozen tree the same way (`steps.Steps`)."""
-        c = self.config
-        return parallel.put_global(host_params, parallel.tree_shardings(host_params, self._rows.mesh, c.partition_rules, c.min_fsdp_size))
+        """Host weights -> global arrays sharded by the run's partition rules, each device given only its own pieces
+        (`facts.place`); the train job places the whole frozen tree the same way (`rl/state.py` `place_frozen`)."""
+        return self.facts.place(host_params)
 
     def _encode_all(self, text_params, batch_size: int = 32) -> dict:
         """The text cache: every distinct train/test prompt and "" encoded once -> {"tokens", "pooled"} (host numpy);
@@ -153,9 +158,9 @@ class SD3World:
         return self._decode(frozen["vae"], x)
 
     def decode_rows(self, vae_params, x):
-        """latents [B, h, w, C] -> images [B, H, W, 3], `train.rollout_chunk` rows at a time (all at once when 0):
-        the VAE decoder's activations at 512 px are ~100x the latents', the memory plan's third knob."""
-        chunk = self.config.train.rollout_chunk
+        """latents [B, h, w, C] -> images [B, H, W, 3], `facts.decode_chunk` rows at a time (`train.rollout_chunk`; all
+        at once when 0): the VAE decoder's activations at 512 px are ~100x the latents', the memory plan's third knob."""
+        chunk = self.facts.decode_chunk
         if not chunk or chunk >= x.shape[0]:
             return self.pipe.decode(vae_params, x)
         shards = parallel.batch_shards(self._rows.mesh)
@@ -172,7 +177,7 @@ class SD3World:
         if prompts_per_iteration % count:
             raise ValueError(f"train.prompts_per_iteration={prompts_per_iteration} must be divisible by the {count} processes")
         if self.reader is None:
-            self.reader = datasets.PromptReader(self.train_prompts, prompts_per_iteration // count, self.seed,
+            self.reader = datasets.PromptReader(self.train_prompts, prompts_per_iteration // count, self.facts.seed,
                                                 jax.process_index(), count)
         return self.reader
 
@@ -180,11 +185,11 @@ class SD3World:
     def reward_fn(self, weighted, remote_settings=None):
         return rewards.build(weighted, self.world_cfg.reward_models, remote_settings)
 
-    def reward_model(self):
+    def reward_model(self) -> RewardModel:
         """The latent world's differentiable reward: `train.rewards`' weighted sum of device rewards on the VAE's decode,
         `apply(params, latents [B, h, w, C], ids, mask) -> [B]` (params {"vae", "rewards"}; each reward's token ids
         side by side in `ids`). Spatial credit and LeapAlign differentiate it; a host reward in the sum is an error."""
-        weighted = [(str(n), float(w)) for n, w in self.rewards]
+        weighted = [(str(n), float(w)) for n, w in self.facts.rewards]
         host = [n for n, _ in weighted if n not in device.FACTORIES]
         if host:
             raise ValueError(f"spatial credit and LeapAlign differentiate the reward, and {host} run on the host: in the sd3 "
@@ -202,21 +207,21 @@ class SD3World:
             ids = np.concatenate([np.asarray(built[n].tokenize(rows)) for n, _ in weighted], axis=1).astype(np.int32)
             return ids, np.ones(ids.shape, bool)
 
-        return apply, {"vae": self._vae, "rewards": {n: r.params for n, r in built.items()}}, tokenize
+        return RewardModel(apply, {"vae": self._vae, "rewards": {n: r.params for n, r in built.items()}}, tokenize)
 
-    def evaluate(self, dit_params, frozen, step: int, workdir: str) -> dict:
-        """The train rewards of ODE samples (CFG, eval.num_steps) on the test prompts; writes eval_<step>.png."""
+    def evaluate(self, dit_params, frozen, step: int, workdir: str) -> Evaluation:
+        """The train rewards of ODE samples (CFG `eval.cfg`, `eval.num_steps` at `eval.shift`) on the test prompts;
+        writes eval_<step>.png."""
         e = self.eval_cfg
         if not self.test_prompts:
-            return {"entry": {"table": {}}, "scalars": {}, "text": "no test prompts (config.world.test_prompts)"}
+            return Evaluation({"table": {}}, {}, "no test prompts (config.world.test_prompts)")
         if self._sampler is None:
-            shift = self.config.sampler.shift
             def sample(p, ids, noise):
                 cond, null = self.encode(p, ids, None), self.null_condition(p, ids.shape[0])
-                return self.pipe.decode(p["vae"], self.pipe.sample_from(p["dit"], cond, null, noise, e.num_steps, e.cfg, shift))
+                return self.pipe.decode(p["vae"], self.pipe.sample_from(p["dit"], cond, null, noise, e.num_steps, e.cfg, e.shift))
 
             self._sampler = jax.jit(sample)
-            self._reward_fn = rewards.build(self.rewards, self.world_cfg.reward_models, self.config.train.get("remote_rewards"))
+            self._reward_fn = rewards.build(self.facts.rewards, self.world_cfg.reward_models, self.facts.remote_rewards)
         params = {"dit": dit_params, "text": frozen["text"], "vae": frozen["vae"]}
         rows = [p for p in self.test_prompts for _ in range(e.samples_per_prompt)]
         rng = jax.random.PRNGKey(e.noise_seed)  # the same noise at every eval
@@ -244,4 +249,4 @@ class SD3World:
         scalars = {f"eval/{k}": v for k, v in table["test"].items() if k != "n"}
         text = (f"eval at step {step} ({len(self.test_prompts)} test prompts x {e.samples_per_prompt}, ODE {e.num_steps} steps, "
                 f"cfg {e.cfg}): " + ", ".join(f"{k} {v:.4f}" for k, v in table["test"].items() if k != "n"))
-        return {"entry": {"table": table}, "scalars": scalars, "text": text}
+        return Evaluation({"table": table}, scalars, text)

@@ -1,14 +1,16 @@
 """The embedded shapes world (pixel space): GenEval-style prompts, the shipped base model, exact rewards.
 
-    world = ShapesWorld(config)      # config.world: base (asset name or pretrain workdir), train/test prompt files
-    world = ShapesWorld(config, loaded=(pipe, params))   # a pipeline already in memory instead of config.world.base
+    world = ShapesWorld(config.world, config.eval, facts)    # base (asset name or pretrain workdir), prompt files
+    world = ShapesWorld(config.world, config.eval, facts, loaded=(pipe, params))   # a pipeline in memory instead of base
 
 Prompt rows are {"prompt", "category", "spec"} (`data/shapes.py`); `sample_prompts` draws the category
 uniformly first (the train set is unbalanced across categories). The DiT works on 32x32 RGB pixels
-in [-1, 1], so `decode` is the identity. Rewards are `rewards.REWARDS` by name (the exact evaluator's
-score and strictness, the learned reward); the reward model is the shipped learned reward. `evaluate`
-is the GenEval-style table (`geneval.geneval`: ODE sampler, CFG) on the test prompts, with the sample
-grid `eval_<step>.png` and, optionally, the learned reward of the same images.
+in [-1, 1], so `decode` is the identity. Rewards are `rewards.REWARDS` by name (this world's own: the exact
+evaluator's score and strictness, the learned reward, `rewards.py`); the reward model is the shipped learned
+reward. `evaluate` is the GenEval-style table (`geneval.geneval`: ODE sampler, CFG) on the test prompts, with the
+sample grid `eval_<step>.png` and, optionally, the learned reward of the same images. The package holds everything
+of this world: its pipeline (`pipeline.py`), shipped models (`assets.py`), exact evaluator (`evaluator.py`), the
+GenEval-style table (`geneval.py`), the learned reward (`learned.py`) and its rewards (`scoring.py`).
 """
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ import jax
 import numpy as np
 
 from flowrl_jax import rewards
-from flowrl_jax.worlds.shapes import assets, geneval, learned
 from flowrl_jax.data import datasets, shapes
 from flowrl_jax.rewards import device
+from flowrl_jax.worlds.protocol import Evaluation, RewardModel, RunFacts
+from flowrl_jax.worlds.shapes import assets, geneval, learned
 
 DEFAULTS = {"base": "shapes32", "train_prompts": "", "test_prompts": "",  # prompt sets: "" = the shipped train / test sets
             "reward_models": dict(device.FOLDERS),  # the device rewards' weights (rewards/device.py), for any world
@@ -48,8 +51,8 @@ def load_prompt_set(path: str, split: str) -> list[dict]:
 class ShapesWorld:
     eval_name, eval_rows = "GenEval-style table", "category"  # what the train job's before/after table is called
 
-    def __init__(self, config, loaded=None):
-        w, self.eval_cfg = config.world, config.eval
+    def __init__(self, settings, eval_settings, facts: RunFacts | None = None, loaded=None):
+        w, self.eval_cfg = settings, eval_settings
         self.loaded = loaded
         self.dit_fields = dict(scan_blocks=w.get("scan_blocks", "auto"), attention=w.get("attention", "xla"))
         self.base, self.reward_models = w.base, w.reward_models
@@ -97,10 +100,10 @@ class ShapesWorld:
     def reward_fn(self, weighted, remote_settings=None):
         return rewards.build(weighted, self.reward_models, remote_settings)
 
-    def reward_model(self):
-        return learned.reward_model()
+    def reward_model(self) -> RewardModel:
+        return RewardModel(*learned.reward_model())
 
-    def evaluate(self, dit_params, frozen, step: int, workdir: str) -> dict:
+    def evaluate(self, dit_params, frozen, step: int, workdir: str) -> Evaluation:
         e = self.eval_cfg
         if self._sampler is None:
             self._sampler = geneval.make_sampler(self.pipe, e.num_steps, e.cfg, e.shift)
@@ -118,4 +121,4 @@ class ShapesWorld:
             scalars["eval/learned_reward"] = entry["learned_reward"]
         text = (f"eval at step {step} (EMA weights, {len(self.test_prompts)} test prompts x {e.samples_per_prompt}, "
                 f"ODE {e.num_steps} steps, cfg {e.cfg}):\n" + geneval.format_table(table))
-        return {"entry": entry, "scalars": scalars, "text": text}
+        return Evaluation(entry, scalars, text)
