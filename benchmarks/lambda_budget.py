@@ -1,4 +1,4 @@
-"""lambda-GRPO's claim (SPEC §4): with every SDE step trained, does the baseline's late-step path variance overshoot
+"""lambda-GRPO's claim (docs/math.md §4): with every SDE step trained, does the baseline's late-step path variance overshoot
 its budget, and does lambda control keep it inside?
 
     python benchmarks/lambda_budget.py [--iterations 12] [--seeds 0,1,2]

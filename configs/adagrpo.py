@@ -1,4 +1,4 @@
-"""AdaGRPO (SPEC.md §3 `adaptive`, §5): `python -m flowrl_jax.main --config configs/adagrpo.py --workdir workdirs/adagrpo`.
+"""AdaGRPO (docs/math.md §3 `adaptive`, §5): `python -m flowrl_jax.main --config configs/adagrpo.py --workdir workdirs/adagrpo`.
 
 The online prompt curriculum (per-prompt proficiency EMA in the checkpointed train state, band-filtered
 sampling with exploration) and cross-level advantage fusion `alpha A_group + (1 - alpha) A_global`

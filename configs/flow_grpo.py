@@ -1,7 +1,7 @@
 """Flow-GRPO as upstream runs it, on the embedded shapes world:
 `python -m flowrl_jax.main --config configs/flow_grpo.py --workdir workdirs/flow_grpo`.
 
-Upstream is flow_grpo's `config/grpo.py:geneval_sd3` with `scripts/train_sd3.py` (SPEC.md §1-§4). Matched here:
+Upstream is flow_grpo's `config/grpo.py:geneval_sd3` with `scripts/train_sd3.py` (docs/math.md §1-§4). Matched here:
 SDE kernel, noise level 0.7, 10 rollout steps with steps 0..8 trained (`timestep_fraction=0.99`; step 9 runs
 the ODE here), groups of 24, per-sample ratio clipped at 1e-4, KL beta 0.04 in upstream's form (divided by
 `std_dev_t^2`, without the `sqrt(-dt)` factor: `objective.grpo.kl_form="flow_grpo"`), no gradient through

@@ -1,4 +1,4 @@
-"""lambda-controlled GRPO (SPEC.md §4): `python -m flowrl_jax.main --config configs/lambda_grpo.py --workdir workdirs/lambda_grpo`.
+"""lambda-controlled GRPO (docs/math.md §4): `python -m flowrl_jax.main --config configs/lambda_grpo.py --workdir workdirs/lambda_grpo`.
 
 The clipped objective with the calibrated ratio `rho exp(sg(V_t) / 2)`, per-step effort weights
 `1 / kappa_t` and the path-variance budget `lambda = eps^2` (steps over `lambda D` get no gradient

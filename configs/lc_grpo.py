@@ -1,4 +1,4 @@
-"""LC-GRPO (SPEC.md §1 `lc`): `python -m flowrl_jax.main --config configs/lc_grpo.py --workdir workdirs/lc_grpo`.
+"""LC-GRPO (docs/math.md §1 `lc`): `python -m flowrl_jax.main --config configs/lc_grpo.py --workdir workdirs/lc_grpo`.
 
 Flow-GRPO with Langevin-corrected transitions on the SDE window (Euler, then one Langevin step
 toward the marginal at the next sigma; two velocity calls per step). Any reverse-process config takes

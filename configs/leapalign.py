@@ -1,4 +1,4 @@
-"""LeapAlign (SPEC.md §6): `python -m flowrl_jax.main --config configs/leapalign.py --workdir workdirs/leapalign`.
+"""LeapAlign (docs/math.md §6): `python -m flowrl_jax.main --config configs/leapalign.py --workdir workdirs/leapalign`.
 
 Direct gradients of the shipped learned reward (`shapes32_reward`) through two leaps of the policy's
 ODE trajectory (`gamma` scales the nested gradient, `tau` the leap weights); memory flat in the

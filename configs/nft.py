@@ -1,4 +1,4 @@
-"""DiffusionNFT (SPEC.md §6): `python -m flowrl_jax.main --config configs/nft.py --workdir workdirs/nft`.
+"""DiffusionNFT (docs/math.md §6): `python -m flowrl_jax.main --config configs/nft.py --workdir workdirs/nft`.
 
 Forward-process training with implicit positive/negative policies `v+- ` around the old policy,
 `r = clip((A / 5) / 2 + 0.5, 0, 1)`, adaptive weights; rollouts by the old policy's ODE sampler,

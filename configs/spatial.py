@@ -1,4 +1,4 @@
-"""Gradient-guided spatial credit (SPEC.md §3 `spatial`) on the embedded world:
+"""Gradient-guided spatial credit (docs/math.md §3 `spatial`) on the embedded world:
 `python -m flowrl_jax.main --config configs/spatial.py --workdir workdirs/spatial`.
 
 Flow-GRPO's group advantage re-weighted per DiT token by the MAD-normalized gradient norm of the

@@ -1,4 +1,4 @@
-"""Stepwise credit from Tweedie gains (SPEC.md §3 `stepwise`):
+"""Stepwise credit from Tweedie gains (docs/math.md §3 `stepwise`):
 `python -m flowrl_jax.main --config configs/stepwise.py --workdir workdirs/stepwise`.
 
 Each trained step's advantage is the group-normalized gain `R(x0_hat_{t+1}) - R(x0_hat_t)` of the

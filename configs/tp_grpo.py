@@ -1,4 +1,4 @@
-"""TurningPoint-GRPO (SPEC.md §3 `turning_point`):
+"""TurningPoint-GRPO (docs/math.md §3 `turning_point`):
 `python -m flowrl_jax.main --config configs/tp_grpo.py --workdir workdirs/tp_grpo`.
 
 Incremental step rewards from ODE completions of every SDE-window state (one batched scan per

@@ -1,4 +1,4 @@
-"""The credit schemes of SPEC.md §3 (stepwise, turning points, spatial, adaptive), the AdaGRPO curriculum
+"""The credit schemes of docs/math.md §3 (stepwise, turning points, spatial, adaptive), the AdaGRPO curriculum
 (§5), lambda control (§4) and the batched ODE completions, against hand-written cases, NumPy and Monte Carlo."""
 import jax
 import jax.numpy as jnp
@@ -142,7 +142,7 @@ def test_token_norms_are_the_l2_norm_over_each_patch():
 
 
 def _np_mad_weights(c, tau, z_clip=np.inf):
-    """SPEC §3 in float64 NumPy: MAD-normalized z (clipped), `N softmax(z / tau)` over the last axis."""
+    """docs/math.md §3 in float64 NumPy: MAD-normalized z (clipped), `N softmax(z / tau)` over the last axis."""
     c = np.asarray(c, np.float64)
     med = np.median(c, -1, keepdims=True)
     z = np.clip((c - med) / (1.4826 * np.median(np.abs(c - med), -1, keepdims=True) + 1e-6), -z_clip, z_clip)
@@ -169,7 +169,7 @@ def test_mad_weights_against_numpy_average_one_and_go_uniform_at_high_temperatur
 
 def test_the_z_clip_is_what_bounds_an_outlier_s_effect_on_the_other_tokens():
     """One token 1000x the others: with the clip (z_clip = 3) the other tokens' weights barely move; without it
-    the outlier takes nearly all the softmax mass under MAD as under z-score (the clip is our addition to SPEC;
+    the outlier takes nearly all the softmax mass under MAD as under z-score (the clip is our addition to docs/math.md;
     measured here, reported in WORKSPACE_NOTES.md)."""
     c = np.random.default_rng(0).lognormal(0.0, 0.5, size=(1, 64))
     outlier = c.copy()
@@ -179,7 +179,7 @@ def test_the_z_clip_is_what_bounds_an_outlier_s_effect_on_the_other_tokens():
     def change(weights):  # the largest relative change of another token's weight
         return np.abs(weights(outlier) / weights(c) - 1)[0, others].max()
 
-    def zscore(x, tau=2.0):  # the alternative SPEC rejects: mean/std normalization, no clip
+    def zscore(x, tau=2.0):  # the alternative docs/math.md rejects: mean/std normalization, no clip
         z = (x - x.mean(-1, keepdims=True)) / (x.std(-1, keepdims=True) + 1e-6)
         return x.shape[-1] * np.exp(z / tau) / np.exp(z / tau).sum(-1, keepdims=True)
 
@@ -264,7 +264,7 @@ def test_curriculum_stops_drawing_always_and_never_solved_prompts_except_to_expl
 
 # ----------------------------------------------------------------------------------- lambda control
 def test_log_ratio_mean_and_variance_follow_the_path_variance():
-    # x' = mu_old + std z; log rho = mean_e [l(x'; mu_theta) - l(x'; mu_old)]: E = -V/2, Var = V/D (SPEC §4)
+    # x' = mu_old + std z; log rho = mean_e [l(x'; mu_theta) - l(x'; mu_old)]: E = -V/2, Var = V/D (docs/math.md §4)
     k, shape, std = 4000, (8, 8, 3), 0.3
     mu_old = jax.random.normal(jax.random.PRNGKey(0), (1,) + shape)
     dmu = 0.7 * std * jax.random.normal(jax.random.PRNGKey(1), (1,) + shape)
@@ -279,7 +279,7 @@ def test_log_ratio_mean_and_variance_follow_the_path_variance():
 
 
 def _np_kernel(kind, sigma, sigma_next, a=0.7, sigma_1=None):
-    """(c_x, c_v, std) of SPEC §1's affine kernels, written out in float64 NumPy from SPEC's own form of the mean
+    """(c_x, c_v, std) of docs/math.md §1's affine kernels, written out in float64 NumPy from docs/math.md's own form of the mean
     (sde: x (1 + g^2 dt / 2 sigma) + v (1 + g^2 (1 - sigma) / 2 sigma) dt; cps: x0_hat (1 - s') + eps_hat sqrt(s'^2 - std^2)
     with x0_hat = x - sigma v, eps_hat = x + (1 - sigma) v, collected by hand into c_x x + c_v v)."""
     sigma, sigma_next, dt = float(sigma), float(sigma_next), float(sigma_next) - float(sigma)
@@ -329,7 +329,7 @@ def _lambda(options):
 
 
 def _np_path_variance(mb, base, theta):
-    """[M] V of each pair by SPEC §4's closed form: dmu = c_v dv with dv = (theta - 1) v_base(x), V = c_v^2 mean(dv^2) / std^2
+    """[M] V of each pair by docs/math.md §4's closed form: dmu = c_v dv with dv = (theta - 1) v_base(x), V = c_v^2 mean(dv^2) / std^2
     (c_v and std from `_np_kernel`, float64), and the trained steps' effort weights w_t = (1/kappa_t) / mean_u (1/kappa_u)."""
     sig = np.asarray(mb["all_sigmas"], np.float64)
     coeffs = [_np_kernel("sde", sig[t], sig[t + 1], sigma_1=sig[1]) for t in range(5)]
@@ -355,7 +355,7 @@ def test_path_variance_measured_and_predicted_equal_the_closed_form_and_effort_w
 
 
 def test_calibrated_ratio_has_zero_mean_log_off_policy_monte_carlo():
-    """SPEC §4 off policy: with x' ~ N(mu_old, std^2) and the mean-reduced log-ratio over D elements,
+    """docs/math.md §4 off policy: with x' ~ N(mu_old, std^2) and the mean-reduced log-ratio over D elements,
     E[log rho] = -V/2, so the calibrated rho~ = rho exp(V/2) has E[log rho~] = 0. Monte Carlo over 2,000 samples
     x 5 steps of a perturbed policy (theta = 1.5): the objective's per-step ratio mean against the closed
     forms E[rho~] = exp(V / 2D) (calibrated) and exp(-V/2 + V / 2D) (plain), within 4 standard errors."""

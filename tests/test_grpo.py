@@ -1,4 +1,4 @@
-"""Group advantages, the uniform credit scheme and the clipped objective (SPEC.md §2-§4) against
+"""Group advantages, the uniform credit scheme and the clipped objective (docs/math.md §2-§4) against
 independent NumPy / jax.scipy computations."""
 import jax
 import jax.numpy as jnp

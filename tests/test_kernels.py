@@ -1,4 +1,4 @@
-"""Transition kernels (SPEC.md §1) against jax.scipy.stats, hand computations and a Monte Carlo law."""
+"""Transition kernels (docs/math.md §1) against jax.scipy.stats, hand computations and a Monte Carlo law."""
 import math
 
 import jax
@@ -93,7 +93,7 @@ def test_sde_mean_and_std_match_a_hand_computation():
 
 @pytest.mark.parametrize("kind", ["sde", "cps"])
 def test_affine_coefficient_is_the_derivative_of_the_mean_in_v(kind):
-    # c_v (SPEC §4's path-variance coefficient) against jax.jacfwd of the kernel mean
+    # c_v (docs/math.md §4's path-variance coefficient) against jax.jacfwd of the kernel mean
     x = jnp.full((1, 1, 1, 1), 0.3)
     for i in (0, 4, 8):
         mean_of_v = lambda v: kernels.transition(kind, lambda y, t: v, x, SIGMAS[i], SIGMAS[i + 1], 0.7, SIGMAS[1])[0]  # noqa: E731
@@ -116,7 +116,7 @@ def _w2_after_one_step(kind, a, i, n=1_000_000):
 
 
 def test_langevin_correction_moves_samples_toward_the_marginal():
-    # SPEC §1: at a = 0.5 on the coarse step sigma .707 -> .602 (T = 10, shift 3) the Euler step's error
+    # docs/math.md §1: at a = 0.5 on the coarse step sigma .707 -> .602 (T = 10, shift 3) the Euler step's error
     # dominates and one Langevin step removes most of it (exact: Euler .0042, lc .0007).
     euler, lc = _w2_after_one_step("ode", 0.0, 5), _w2_after_one_step("lc", 0.5, 5)
     # Monte Carlo: n = 1e6 draws give each W2 estimate a standard error SE = 4.6e-4 (sd over 150 key pairs; ~ s' / sqrt(n)

@@ -1,4 +1,4 @@
-"""AdvantageFlow, DiffusionNFT and LeapAlign (SPEC.md §6) against closed forms, finite differences and
+"""AdvantageFlow, DiffusionNFT and LeapAlign (docs/math.md §6) against closed forms, finite differences and
 compiled memory sizes."""
 import jax
 import jax.numpy as jnp
@@ -48,7 +48,7 @@ def test_advantage_flow_anchored_form_is_convex_and_zero_advantage_at_the_rollou
                                                             jnp.ones(3), 1.0, v_old)
     eig = np.linalg.eigvalsh(np.asarray(jax.hessian(f)(jnp.asarray(rng.normal(size=target.size), jnp.float32)), np.float64))
     np.testing.assert_allclose(np.sort(eig), np.sort(np.repeat(2 * (np.asarray(adv) + float(jnp.max(-adv)) + 1.0) / 12, 4)),
-                               rtol=1e-5)  # the same Hessian as SPEC's form
+                               rtol=1e-5)  # the same Hessian as docs/math.md's form
     zero = jnp.zeros(3)
     g = jax.grad(lambda v: advantage_flow.weighted_flow_matching(v, target, zero, zero.max(), jnp.ones(3), 1.0, v_old))(v_old)
     assert float(jnp.abs(g).max()) == 0.0
@@ -257,7 +257,7 @@ def test_leap_negative_anchor_is_named():
 
 
 def test_leap_gradient_equals_a_finite_difference_of_the_surrogate():
-    """SPEC §6 testing note: d L / d theta = -d S / d theta at theta_0, with
+    """docs/math.md §6 testing note: d L / d theta = -d S / d theta at theta_0, with
     S(theta) = sg(grad R(x_0)) . [x~(theta) - sigma_j v_theta(u(theta))], x~(theta) = x_j + (x^_j(theta) - x^_j(theta_0)),
     u(theta) = x_j + gamma (x^_j(theta) - x^_j(theta_0)): the identity path at full weight, gamma on the velocity's input."""
     with jax.enable_x64(True):
@@ -289,7 +289,7 @@ def test_leap_gradient_equals_a_finite_difference_of_the_surrogate():
 
 @pytest.mark.parametrize("gamma", [0.0, 0.5, 1.0])
 def test_leap_placement_keeps_the_identity_path_whatever_gamma(gamma):
-    """SPEC §6 placement check: with a velocity that does not depend on x, x^_0 = x~_j - sigma_j c, so
+    """docs/math.md §6 placement check: with a velocity that does not depend on x, x^_0 = x~_j - sigma_j c, so
     d x~_0 / d x_k = I (through x^_j = x_k - (sigma_k - sigma_j) c) whatever gamma is; placing gamma on the
     identity path too (the old code) gives gamma I."""
     c = jax.random.normal(jax.random.PRNGKey(0), (2, 2, 2, 3))

@@ -1,5 +1,5 @@
 """The pretrain job on a tiny model: it learns, logs, checkpoints, and a resumed run equals an
-uninterrupted one (SPEC.md §7)."""
+uninterrupted one (docs/math.md §7)."""
 import json
 import runpy
 

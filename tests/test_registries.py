@@ -1,5 +1,5 @@
-"""Tests driven by the registries: every config file, every objective (SPEC §7's on-policy invariants) and
-every credit scheme (a uniform advantage stays uniform where SPEC says so). A new entry without a case here
+"""Tests driven by the registries: every config file, every objective (docs/math.md §7's on-policy invariants) and
+every credit scheme (a uniform advantage stays uniform where docs/math.md says so). A new entry without a case here
 fails the coverage assertion, so adding a plug-in means adding its check."""
 import glob
 import os
@@ -104,7 +104,7 @@ def _with(mb, **pairs):
 def _grpo(mb, options, fns):
     mb = _with(mb, adv=jnp.abs(mb["adv"]) + 0.1)  # group advantages average to ~0: a non-zero mean makes the loss check relative
     loss, aux = objectives.get("grpo").loss(ON_POLICY_TREES, mb, fns, options)
-    # SPEC §7: on policy every ratio is 1 (per-step mean and std over the (sample, step) pairs), nothing is
+    # docs/math.md §7: on policy every ratio is 1 (per-step mean and std over the (sample, step) pairs), nothing is
     # clipped, and the clipped loss is minus the mean advantage. 2e-5: exp of a float32 log-prob difference of
     # two identical computations is exact; the per-step std is a mean of squares of ~1e-7 rounding.
     trained = np.asarray(sampler_levels(ConfigDict({"sde_window": (), "num_steps": T, "noise_level": 0.7, "kind": "sde"}))) > 0
@@ -175,8 +175,8 @@ R = np.array([0.1, 0.5, 0.9, 0.2, 0.3, 0.3, 0.7, 0.4], np.float32)
 
 
 def _credit_case(name):
-    """(chain, extras, levels, the uniform advantage SPEC says it leaves [B] or None to skip)."""
-    if name == "uniform":  # SPEC §3: A[b, t, k] = A[b]
+    """(chain, extras, levels, the uniform advantage docs/math.md says it leaves [B] or None to skip)."""
+    if name == "uniform":  # docs/math.md §3: A[b, t, k] = A[b]
         return ("uniform",), {}, [0.7] * 3, _group_norm(R, group_std=False)
     if name == "spatial":  # equal gradient norms on every token: w = 1, the advantage is unchanged
         grad = jnp.ones((8, 4, 4, 3))

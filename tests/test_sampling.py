@@ -1,4 +1,4 @@
-"""Sigma schedule against SPEC.md's table, and the CFG ODE sampler against closed forms."""
+"""Sigma schedule against docs/math.md's table, and the CFG ODE sampler against closed forms."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +8,7 @@ from tests.conftest import gaussian_velocity
 
 
 def test_schedule_matches_spec_table():
-    # SPEC.md §0: T = 10, shift = 3 (diffusers' FlowMatchEulerDiscreteScheduler)
+    # docs/math.md §0: T = 10, shift = 3 (diffusers' FlowMatchEulerDiscreteScheduler)
     expected = [1.0, .9601, .9133, .8577, .7904, .7073, .6022, .4649, .2780, .0089, 0.0]
     # the table is rounded to 4 decimals (<= 5e-5; measured 4.94e-5) and float32 adds a few eps of sigma <= 1 (< 1e-6)
     np.testing.assert_allclose(schedule.sigmas(10, 3.0), expected, rtol=0, atol=5e-5 + 1e-6)

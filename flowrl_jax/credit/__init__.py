@@ -1,4 +1,4 @@
-"""Credit schemes: advantage transforms `(inputs, A, state) -> (A[b, t, k], state)` (SPEC.md §3).
+"""Credit schemes: advantage transforms `(inputs, A, state) -> (A[b, t, k], state)` (docs/math.md §3).
 
     credit = build(config.credit.names, config.credit, global_std=True, clip=5.0)
     state = credit.init()
@@ -6,7 +6,7 @@
     A, state = credit.apply(inputs, state)        # A [B, T, K] (K = 1 or N tokens), jit-compiled
 
 `inputs` is a dict: `rollout` (sampling.rollout.Rollout), `schedule` (its `Schedule`), `rewards [B]`, `group_ids [B]`,
-`num_groups`, `normalize` (`(r [B], group_std) -> A [B]`, SPEC §2 with the run's clip), and what each
+`num_groups`, `normalize` (`(r [B], group_std) -> A [B]`, docs/math.md §2 with the run's clip), and what each
 scheme's host-side `prepare(ctx, options)` added under its own name (the rewards of Tweedie estimates
 for stepwise credit, of ODE completions for turning points, reward-model gradients for spatial
 credit). The chain starts from Flow-GRPO's group-relative advantage `A[b]` as `[B, 1, 1]` and each
@@ -115,6 +115,6 @@ def build(names, options=None, global_std: bool = True, clip: float = 5.0) -> Cr
 
 
 def kept_samples(adv, trained) -> jnp.ndarray:
-    """[B] bool: samples with a non-zero advantage on some trained step (SPEC §2 drops the rest)."""
+    """[B] bool: samples with a non-zero advantage on some trained step (docs/math.md §2 drops the rest)."""
     nonzero = jnp.any(adv != 0, axis=-1) & trained[None, :]
     return jnp.any(nonzero, axis=-1)

@@ -1,4 +1,4 @@
-"""AdaGRPO cross-level advantage fusion (SPEC.md §3 `adaptive`).
+"""AdaGRPO cross-level advantage fusion (docs/math.md §3 `adaptive`).
 
     A = alpha A_in + (1 - alpha) A_global,   A_global = clip((r - mu_G) / (sigma_G + 1e-4))
 

@@ -1,4 +1,4 @@
-"""Group-relative advantages (Flow-GRPO, SPEC.md §2) and the `uniform` credit scheme (SPEC §3).
+"""Group-relative advantages (Flow-GRPO, docs/math.md §2) and the `uniform` credit scheme (docs/math.md §3).
 
     A = group_advantages(rewards [B], group_ids [B], num_groups, global_std=True, clip=5.0)   # [B]
     A_null = permute_within_groups(A, group_ids, key)                                        # the null control
@@ -28,7 +28,7 @@ def group_advantages(rewards, group_ids, num_groups: int, global_std: bool = Tru
 
 
 def permute_within_groups(x, group_ids, key):
-    """`x [B, ...]` with its rows shuffled within each prompt group (the null control, SPEC §2: advantages
+    """`x [B, ...]` with its rows shuffled within each prompt group (the null control, docs/math.md §2: advantages
     that carry no information about their own sample). `group_ids [B]` any integers; a row only ever
     moves to a row of its own group, so each group keeps its multiset of values."""
     u = jax.random.uniform(key, group_ids.shape)

@@ -1,4 +1,4 @@
-"""Gradient-guided spatial credit for DiTs (SPEC.md §3 `spatial`).
+"""Gradient-guided spatial credit for DiTs (docs/math.md §3 `spatial`).
 
     c[b, t, k] = || dR/dx0_hat_t [b, token k] ||_2   gradient of the differentiable reward model at step t's
                                                     Tweedie estimate, over each DiT token's p*p*C elements
@@ -6,11 +6,11 @@
     w = N softmax(z / tau)                    mean 1 over the N tokens
     A[b, t, k] = A[b, t] w[b, t, k]           run it with per-token ratios (objective.grpo.ratio = "token")
 
-Options (`DEFAULTS`, `config.credit.spatial`): `tau`, `z_clip`, and `map_at`: "tweedie" (SPEC: one map per
+Options (`DEFAULTS`, `config.credit.spatial`): `tau`, `z_clip`, and `map_at`: "tweedie" (docs/math.md: one map per
 trained step, from the gradient at that step's `x0_hat`; untrained steps get uniform weights) or "final"
 (one map from the gradient at the final sample, reused at every step: cheaper, one gradient per sample).
 Median/MAD (not mean/std) keep one outlier token from rescaling every other token's z. The clip at
-`z_clip` is ours (SPEC gives none): without it a single extreme token takes nearly all the softmax mass
+`z_clip` is ours (docs/math.md gives none): without it a single extreme token takes nearly all the softmax mass
 (its z is huge under MAD as under z-score) and so still moves the others' weights; with it the outlier's
 weight is at most `e^(z_clip / tau)` times a median token's (tests/test_credit.py measures both).
 `tau -> inf` recovers uniform credit. The reward that trains the policy need not be the differentiable one

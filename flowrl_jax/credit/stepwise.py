@@ -1,4 +1,4 @@
-"""Stepwise credit from Tweedie gains (SPEC.md §3 `stepwise`).
+"""Stepwise credit from Tweedie gains (docs/math.md §3 `stepwise`).
 
     r_t[b] = R(x0_hat_t[b])  (t < T),   r_T[b] = R(final sample)       # prepare: [B, T + 1]
     d_t    = r_{t+1} - r_t                                             # what step t added
@@ -6,7 +6,7 @@
 
 `x0_hat_t = x_t - sigma_t v` is the rollout's Tweedie estimate at the state before step t, so `d_t`
 credits each step with the reward its move added to the predicted image. The incoming advantage is
-replaced (put `stepwise` first in a chain); the normalization is the run's (SPEC §2, its std and clip).
+replaced (put `stepwise` first in a chain); the normalization is the run's (docs/math.md §2, its std and clip).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""TurningPoint-GRPO credit, as published (SPEC.md §3 `turning_point`).
+"""TurningPoint-GRPO credit, as published (docs/math.md §3 `turning_point`).
 
 For each sample, with the trajectory's `m` SDE (trained) steps:
     R_k  (k < m)  reward of the ODE completion from the state before the k-th SDE step     # prepare

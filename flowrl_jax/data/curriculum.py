@@ -1,4 +1,4 @@
-"""AdaGRPO's online prompt curriculum (SPEC.md §5).
+"""AdaGRPO's online prompt curriculum (docs/math.md §5).
 
     state = init(num_prompts)                          # {"mean", "std", "count"} [P], in the TrainState
     idx = draw(state, n, rng, options)                 # [n] prompt indices for the next iteration
@@ -8,7 +8,7 @@ Per prompt `c`: an EMA (decay `decay`) of its group's mean reward `p_c` and grou
 batch draws `explore` of its prompts uniformly from all prompts, the rest with probability
 proportional to `s_c + floor` among prompts with `p_c` inside the learning band `[lo, hi]` (unseen
 prompts count as inside; they weigh as the largest seen `s_c`, so new prompts are tried early; our
-choice, SPEC leaves it open). If no prompt is in the band, all prompts are candidates. Prompts that
+choice, docs/math.md leaves it open). If no prompt is in the band, all prompts are candidates. Prompts that
 are always solved or never solved leave the band and are then drawn by exploration only.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     python -m flowrl_jax.main --config configs/pretrain_shapes.py --workdir workdirs/pretrain
 
-Flow matching (SPEC.md §0): `x_t = (1 - t) x0 + t eps`, target `eps - x0`, t logit-normal
+Flow matching (docs/math.md §0): `x_t = (1 - t) x0 + t eps`, target `eps - x0`, t logit-normal
 (`sigmoid(N(m, s))`), MSE. Scenes are rendered on the fly from `train.jsonl` prompts, categories
 drawn uniformly (train holds 3 to 54 prompts per category), a host thread rendering the next batch
 while the device trains, 10% of captions are dropped to the empty
@@ -37,7 +37,7 @@ def make_optimizer(cfg) -> optax.GradientTransformation:
 
 
 def flow_matching_loss(pipe: Pipeline, params, batch, rng, t_mean: float, t_std: float):
-    """MSE between v(x_t, t) and `eps - x0` for `x_t = (1 - t) x0 + t eps` (SPEC.md §0)."""
+    """MSE between v(x_t, t) and `eps - x0` for `x_t = (1 - t) x0 + t eps` (docs/math.md §0)."""
     x0 = batch["images"]
     k_t, k_eps = jax.random.split(rng)
     t = jax.nn.sigmoid(t_mean + t_std * jax.random.normal(k_t, (x0.shape[0],)))

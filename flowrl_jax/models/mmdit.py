@@ -5,7 +5,7 @@
 Shapes (B batch, H x W image or latent, C channels, L text tokens):
     x            [B, H, W, C]               NHWC (diffusers is NCHW; `convert.py` handles weights)
     t            [B]                        flow time sigma in [0, 1]; the DiT sees `timestep_scale * t`
-                                            (1000 * sigma, diffusers' convention, SPEC.md §0)
+                                            (1000 * sigma, diffusers' convention, docs/math.md §0)
     text_tokens  [B, L, joint_attention_dim]
     pooled       [B, pooled_projection_dim]
     v            [B, H, W, out_channels]    predicted velocity `eps - x0`

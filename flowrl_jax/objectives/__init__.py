@@ -11,14 +11,14 @@
 conditions, and the reward model's tokens when the objective asked for them with `uses_reward_model`). A pair is
 (sample `rows[m]`, slot `slots[m]`) with `weight[m]` (0 on padding); `key` is the update's own
 randomness (forward-process noise, LeapAlign's steps), drawn from the seed and the update counter.
-- `grpo` (SPEC §4): (sample, SDE step) pairs of an sde/cps/lc rollout; the clipped ratio, with lambda
+- `grpo` (docs/math.md §4): (sample, SDE step) pairs of an sde/cps/lc rollout; the clipped ratio, with lambda
   control as an option. It offers per-step ratios (and per-token ones with `ratio="token"`) to credit.
-- `advantage_flow`, `nft` (SPEC §6): (sample, time slot) pairs of the final samples noised afresh.
-- `leapalign` (SPEC §6): one pair per sample of an ODE rollout, through the differentiable reward.
+- `advantage_flow`, `nft` (docs/math.md §6): (sample, time slot) pairs of the final samples noised afresh.
+- `leapalign` (docs/math.md §6): one pair per sample of an ODE rollout, through the differentiable reward.
 `old_policy`: when set, the TrainState keeps `theta_old`, which draws the rollouts and follows the
 policy after each iteration by `old <- d old + (1 - d) theta`, `d = old_policy(updates, options)` (optimizer steps done): DiffusionNFT's
 EMA schedules, or `d = 0` for AdvantageFlow (its anchor is the rollout policy's velocity).
-Objectives that offer per-step ratios drop samples with no advantage on a trained step (SPEC §2); the
+Objectives that offer per-step ratios drop samples with no advantage on a trained step (docs/math.md §2); the
 others keep all (an advantage-free sample still carries their regularizing term).
 A new objective: its module (loss, pairs, slots, DEFAULTS, check) and one entry here.
 """

@@ -1,8 +1,8 @@
-"""AdvantageFlow: advantage-weighted flow matching with rollout-policy regularization (SPEC.md §6).
+"""AdvantageFlow: advantage-weighted flow matching with rollout-policy regularization (docs/math.md §6).
 
     loss, aux = advantage_flow.loss(trees, mb, fns, options)   # mb: forward.forward_pairs; trees: batch.ParamTrees
 
-SPEC's form (`regularizer="samples"`): `L = mean_i (beta + A_i) ||v_theta(x_t^i, t_i) - u_i||^2`,
+docs/math.md's form (`regularizer="samples"`): `L = mean_i (beta + A_i) ||v_theta(x_t^i, t_i) - u_i||^2`,
 `u_i = eps_i - x0^i`, over the policy's own samples, `beta = max_i(-A_i) + beta0` (the max over the
 iteration's whole batch), so every weight is at least `beta0 > 0` and the loss is a non-negative
 combination of convex quadratics in `v`. The `beta` part is plain flow matching on the rollout
@@ -14,7 +14,7 @@ The default (`regularizer="rollout_velocity"`, our variant, WORKSPACE_NOTES.md):
 `L = mean_i [beta ||v_theta - v_old||^2 + A_i ||v_theta - u_i||^2]`. When `v_old` is the exact
 flow of its samples, `v_old(x_t) = E[u | x_t]` and the two losses have the same expected gradient
 (so the same minimizer); the anchored one has no sampling noise in its `beta` part and does not fit the
-sampler's discretization error, which made SPEC's form drift to blank images in every setting tried.
+sampler's discretization error, which made docs/math.md's form drift to blank images in every setting tried.
 Per pair the Hessian in `v` is still `2 (beta + A_i) / D >= 2 beta0 / D`: convex.
 `||.||^2` is the mean over elements (our reading: it keeps `beta0` free of the image size). The
 velocity is the sampler's (CFG `train_cfg`, 0 = the sampler's), the policy that drew the samples. Options
@@ -57,14 +57,14 @@ def _sq(a, b):
 
 def _pair_terms(v, target, adv, adv_floor, beta0: float, v_old=None):
     """([M] squared flow-matching error `||v - u||^2`, [M] per-pair loss `beta ||v - anchor||^2 + A ||v - u||^2`),
-    the anchor being the target `u` itself (SPEC's form: `(beta + A) ||v - u||^2`) or `v_old` when given."""
+    the anchor being the target `u` itself (docs/math.md's form: `(beta + A) ||v - u||^2`) or `v_old` when given."""
     sq = _sq(v, target)
     anchor = sq if v_old is None else _sq(v, jax.lax.stop_gradient(v_old))
     return sq, (adv_floor + beta0) * anchor + adv * sq
 
 
 def weighted_flow_matching(v, target, adv, adv_floor, weight, beta0: float, v_old=None):
-    """The loss as a function of the velocity `v [M, H, W, C]` (convex in `v`): SPEC's form, or the
+    """The loss as a function of the velocity `v [M, H, W, C]` (convex in `v`): docs/math.md's form, or the
     anchored one when the rollout policy's velocity `v_old [M, H, W, C]` is given."""
     return weighted_mean(_pair_terms(v, target, adv, adv_floor, beta0, v_old)[1], weight)
 

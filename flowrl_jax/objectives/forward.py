@@ -1,4 +1,4 @@
-"""Forward-process minibatches (SPEC.md §0, §6): the rollout's final samples `x0`, noised afresh.
+"""Forward-process minibatches (docs/math.md §0, §6): the rollout's final samples `x0`, noised afresh.
 
     mb = forward_pairs(ro, adv, cond, null, rows, slots, weight, key, t)    # t [M]: each pair's time -> batch.Minibatch
     mb = pairs(data, rows, slots, weight, key, options)    # the objectives' shared signature
@@ -62,7 +62,7 @@ def offers(options) -> frozenset:
 
 def training_times(num_slots: int, shift: float) -> jnp.ndarray:
     """[num_slots] times in (0, 1): the midpoints of `num_slots` equal bins, shifted like the sampler's
-    schedule (SPEC §0 `sh`), e.g. 4 slots at shift 1: .125, .375, .625, .875."""
+    schedule (docs/math.md §0 `sh`), e.g. 4 slots at shift 1: .125, .375, .625, .875."""
     return schedule.shift_sigma((jnp.arange(num_slots, dtype=jnp.float32) + 0.5) / num_slots, shift)
 
 

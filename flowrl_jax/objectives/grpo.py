@@ -1,4 +1,4 @@
-"""The clipped GRPO objective on (sample, step) pairs with a KL to a frozen reference (SPEC.md §4).
+"""The clipped GRPO objective on (sample, step) pairs with a KL to a frozen reference (docs/math.md §4).
 
     loss, aux = clipped_loss(trees, mb, fns, options)     # trees: batch.ParamTrees; fns: rl.policy.PolicyFns (its `mean`)
 
@@ -23,7 +23,7 @@ beta, ratio, kl_form, lambda_control.
   the correlation of advantage and log-ratio over the minibatch's pairs (the train loop keeps it for
   pairs no update has seen yet: `alignment_heldout`).
 
-lambda-controlled GRPO (`lambda_control=True`, `configs/lambda_grpo.py`, SPEC §4). With `dmu = mu_theta - mu_old`
+lambda-controlled GRPO (`lambda_control=True`, `configs/lambda_grpo.py`, docs/math.md §4). With `dmu = mu_theta - mu_old`
 the mean-reduced log-ratio has mean `-V/2` and variance `V/D`, `V = mean_e(dmu^2) / std^2`. Measured:
 `V` from the kernel means. Predicted: `kappa_t mean_e(dv^2)` with `dv = v_theta - v_old`
 (`v_old = (x - x0_hat) / sigma` from the rollout's Tweedie estimate) and the step's cost
@@ -118,7 +118,7 @@ def path_variance(mean, mean_old, std, patch_size: int):
 
 
 def step_cost(kind: str, sigma, sigma_next, level, sigma_1):
-    """kappa = c_v^2 / std^2 (SPEC §4), same shape as `sigma`; inf where the step is deterministic."""
+    """kappa = c_v^2 / std^2 (docs/math.md §4), same shape as `sigma`; inf where the step is deterministic."""
     _, c_v, std = kernels.affine_coefficients(kind, sigma, sigma_next, level, sigma_1)
     return jnp.where(std > 0, jnp.square(c_v) / jnp.where(std > 0, jnp.square(std), 1.0), jnp.inf)
 
@@ -146,7 +146,7 @@ def alignment(adv, log_ratio, weight):
 
 def clipped_loss(trees: ParamTrees, mb: Minibatch, fns, options) -> tuple[jax.Array, dict]:
     """-> (loss, aux) for `options` with fields clip_range, beta, ratio, kl_form, lambda_control, patch_size,
-    logprob_form, num_steps, kernel, ratio_norm (module doc); `lambda_control` adds SPEC §4's (i)-(iv), `ratio_norm` GRPO-Guard's."""
+    logprob_form, num_steps, kernel, ratio_norm (module doc); `lambda_control` adds docs/math.md §4's (i)-(iv), `ratio_norm` GRPO-Guard's."""
     lambda_control, ratio_norm = bool(options.lambda_control), bool(options.ratio_norm)
     affine = options.kernel != "lc"
     if lambda_control and not affine:

@@ -1,4 +1,4 @@
-"""LeapAlign: direct reward gradients through two leaps of an ODE trajectory (SPEC.md §6).
+"""LeapAlign: direct reward gradients through two leaps of an ODE trajectory (docs/math.md §6).
 
     mb = leap_pairs(ro, sigmas, cond, null, rows, weight, key, extras)     # one pair per sample
     mb = pairs(data, rows, slots, weight, key, options)                    # the objectives' shared signature

@@ -1,4 +1,4 @@
-"""DiffusionNFT: the forward-process objective with implicit positive and negative policies (SPEC.md §6).
+"""DiffusionNFT: the forward-process objective with implicit positive and negative policies (docs/math.md §6).
 
     loss, aux = nft.loss(trees, mb, fns, options)   # mb: forward.forward_pairs; trees: batch.ParamTrees with `old`
 

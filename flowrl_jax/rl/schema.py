@@ -18,7 +18,7 @@ from flowrl_jax.sampling import windows
 
 
 def train_config() -> ConfigDict:
-    """The `train` job's fields with Flow-GRPO's defaults (SPEC.md §1-§4) on the embedded world; the
+    """The `train` job's fields with Flow-GRPO's defaults (docs/math.md §1-§4) on the embedded world; the
     method configs (`configs/flow_grpo.py`, `quickstart.py`, ...) start here and override. Plug-ins
     (the world, credit schemes, objectives, the curriculum) each get one option sub-dict filled from
     their module's `DEFAULTS`: `--config.objective.grpo.clip_range=0.2`, `--config.credit.spatial.tau=1`."""
@@ -38,8 +38,8 @@ def train_config() -> ConfigDict:
     cfg.advantage = dict(global_std=True, clip=5.0,
                          null_control=False)  # True: advantages shuffled within each group (steps.make_credit_fn), learning vs drift
     cfg.credit = credit.config_fields()  # names: the chain (credit/__init__.py); one sub-dict of options per scheme
-    cfg.curriculum = dict(curriculum.DEFAULTS)  # AdaGRPO's prompt curriculum, SPEC §5 (enabled=False)
-    cfg.objective = objectives.config_fields()  # name: grpo | advantage_flow | nft | leapalign; one sub-dict per objective, SPEC §4, §6
+    cfg.curriculum = dict(curriculum.DEFAULTS)  # AdaGRPO's prompt curriculum, docs/math.md §5 (enabled=False)
+    cfg.objective = objectives.config_fields()  # name: grpo | advantage_flow | nft | leapalign; one sub-dict per objective, docs/math.md §4, §6
     cfg.eval = dict(every=50, at_start=True, per_category=0, samples_per_prompt=1, batch_size=210, num_steps=20, cfg=3.0, shift=1.0,
                     learned_reward=False, noise_seed=1)  # learned_reward: also score the eval images with the shipped learned
     # reward; noise_seed: the eval's initial noise, the same for every run and seed (so evals of runs pair up)

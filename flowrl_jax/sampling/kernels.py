@@ -1,10 +1,10 @@
-"""Gaussian transition kernels of the reverse process (SPEC.md §1) and their per-token log-probs.
+"""Gaussian transition kernels of the reverse process (docs/math.md §1) and their per-token log-probs.
 
     mean, std, v = transition("sde", velocity, x, sigma, sigma_next, a, sigma_1)
     l = token_logprob(x_next, mean, std, patch_size)         # [B, N]; per-sample = l.mean(-1)
 
 `velocity(x [B, H, W, C], sigma [B]) -> v` is the (guided) DiT velocity at noise level `sigma`
-(SPEC §0: t = 1 noise, t = 0 data; step `sigma -> sigma_next`, `dt = sigma_next - sigma < 0`).
+(docs/math.md §0: t = 1 noise, t = 0 data; step `sigma -> sigma_next`, `dt = sigma_next - sigma < 0`).
 `sigma`, `sigma_next` and the noise level `a` are per sample `[B]` (a rollout step broadcasts a
 scalar; a training minibatch mixes steps). Every kernel returns `x' ~ N(mean, std^2 I)` with
 `mean [B, H, W, C]` and a per-sample `std [B]` (0 for a deterministic step). `v` is the velocity at
@@ -13,7 +13,7 @@ scalar; a training minibatch mixes steps). Every kernel returns `x' ~ N(mean, st
 - `ode`: Euler, `mean = x + v dt`, `std = 0`.
 - `sde` (Flow-GRPO) and `cps` (Flow-CPS) are affine in `(x, v)`: `mean = c_x x + c_v v`, with the
   exact coefficients of `affine_coefficients` (`c_v = d mean / d v` is the path-variance coefficient of
-  SPEC §4). With `a = 0` both are Euler.
+  docs/math.md §4). With `a = 0` both are Euler.
 - `lc` (LC-GRPO): Euler to `y`, then one Langevin step toward the marginal at `sigma_next` using a
   second velocity call at `y`; Euler where `a sigma_next = 0` (the last step, and outside an SDE window).
 """
@@ -40,7 +40,7 @@ def column(s, x):
 def affine_coefficients(kind: str, sigma, sigma_next, a, sigma_1):
     """(c_x, c_v, std), each [B], of the affine kernels: `mean = c_x x + c_v v`, `x' = mean + std z`.
 
-    sde (SPEC §1): `g = a sqrt(sigma / (1 - sigma_safe))` (sigma_safe = sigma_1 at sigma = 1),
+    sde (docs/math.md §1): `g = a sqrt(sigma / (1 - sigma_safe))` (sigma_safe = sigma_1 at sigma = 1),
     `c_x = 1 + g^2 dt / (2 sigma)`, `c_v = (1 + g^2 (1 - sigma) / (2 sigma)) dt`, `std = g sqrt(-dt)`.
     cps: `std = sigma' sin(a pi / 2)`, `mean = x0_hat (1 - sigma') + eps_hat sqrt(sigma'^2 - std^2)` with
     `x0_hat = x - sigma v`, `eps_hat = x + (1 - sigma) v`.
@@ -60,7 +60,7 @@ def affine_coefficients(kind: str, sigma, sigma_next, a, sigma_1):
 
 
 def lc_step(velocity: Callable, x, v, sigma, sigma_next, a):
-    """LC-GRPO (SPEC §1): `y = x + v dt`; `score = -(y + (1 - sigma') v(y, sigma')) / sigma'`,
+    """LC-GRPO (docs/math.md §1): `y = x + v dt`; `score = -(y + (1 - sigma') v(y, sigma')) / sigma'`,
     `delta = 0.5 (a sigma')^2`, `mean = y + delta score`, `std = sqrt(2 delta) = a sigma'`."""
     y = x + column(sigma_next - sigma, x) * v
     active = a * sigma_next > 0
@@ -99,7 +99,7 @@ def element_logprob(x_next, mean, std):
 
 
 def token_logprob(x_next, mean, std, patch_size: int, form: str = "gaussian", reduce: str = "mean"):
-    """Per-token log-prob `l [B, N]` (SPEC §1): the per-element density reduced (`mean`, or `sum`) over
+    """Per-token log-prob `l [B, N]` (docs/math.md §1): the per-element density reduced (`mean`, or `sum`) over
     each DiT token's `p*p*C` elements. Deterministic samples (std = 0) get 0.
 
     `form="cps_compat"` is Flow-CPS's published log-prob `-(x' - mu)^2` (constants and the `1/(2 std^2)`

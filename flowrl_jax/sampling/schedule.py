@@ -1,6 +1,6 @@
 """The shifted sigma schedule of diffusers' `FlowMatchEulerDiscreteScheduler(shift).set_timesteps(T)`.
 
-SPEC.md §0: `sh(s) = shift s / (1 + (shift - 1) s)`, `s = linspace(1, sh(1/1000), T)`,
+docs/math.md §0: `sh(s) = shift s / (1 + (shift - 1) s)`, `s = linspace(1, sh(1/1000), T)`,
 `sigma_i = sh(s_i)` for i < T and `sigma_T = 0`. (diffusers shifts the end point once when the
 scheduler is built and again in set_timesteps; SD3.5 checkpoints were trained on those times.)
 """

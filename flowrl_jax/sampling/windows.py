@@ -1,4 +1,4 @@
-"""Where the SDE window sits at each iteration (SPEC.md §1): fixed, drawn at random (Flow-GRPO-Fast) or sliding (MixGRPO).
+"""Where the SDE window sits at each iteration (docs/math.md §1): fixed, drawn at random (Flow-GRPO-Fast) or sliding (MixGRPO).
 
     start, size = window_at(config.sampler, it, seed)        # host ints, the same on every process
     levels = levels_at(config.sampler, it, seed)             # [T] the noise level per step of iteration `it`

@@ -9,7 +9,7 @@
 The folder is what `StableDiffusion3Pipeline.save_pretrained` writes: `model_index.json`, `transformer/`,
 `vae/`, `text_encoder{,_2,_3}/`, `tokenizer{,_2,_3}/`, `scheduler/` (weights single or sharded
 safetensors, bf16 or fp32). `text_encoder_3` may be absent (SD3 without T5: its tokens are zeros, as
-diffusers does). `encode` is diffusers' `encode_prompt` (SPEC's conditioning): the penultimate hidden
+diffusers does). `encode` is diffusers' `encode_prompt` (docs/math.md's conditioning): the penultimate hidden
 states of both CLIPs concatenated on features and zero-padded to T5's width, T5's sequence appended
 along tokens; pooled = both CLIPs' projected EOS states concatenated. Like diffusers, no attention
 mask is passed to any text encoder (pad tokens are attended). The scheduler's `shift` is read from
