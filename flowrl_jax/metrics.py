@@ -91,11 +91,12 @@ def save_grid(images, path: str, rows: int | None = None, labels: Sequence[str] 
     return path
 
 
-def plot_report(workdir: str, path: str) -> str:
-    """report.png: training reward and eval scores (overall strict and partial score) against the
-    step (left) and the training wall-clock (right), from workdir/metrics.jsonl. Process 0 writes."""
+def plot_report(workdir: str, path: str, eval_curves: dict[str, str]) -> dict[str, int]:
+    """report.png: the training reward and the eval's `eval_curves` ({metrics key: label}, the world's) against the
+    step (left) and the training wall-clock (right), from workdir/metrics.jsonl. Process 0 writes.
+    -> {label: points} of each curve drawn (empty on other processes)."""
     if not is_writer():
-        return path
+        return {}
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,14 +104,15 @@ def plot_report(workdir: str, path: str) -> str:
 
     rows = read_metrics(workdir)
     train = [r for r in rows if "reward" in r]
-    evals = [r for r in rows if "eval/overall/strict" in r]
+    curves = {"train reward (mean)": ("reward", train, {"lw": 1, "alpha": 0.6})} if train else {}
+    for key, name in eval_curves.items():
+        points = [r for r in rows if key in r]
+        if points:
+            curves[name] = (key, points, {"marker": "o"})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, x_key, label in ((axes[0], "step", "step"), (axes[1], "wall_s", "training wall-clock (s)")):
-        if train:
-            ax.plot([r[x_key] for r in train], [r["reward"] for r in train], lw=1, alpha=0.6, label="train reward (mean)")
-        for key, name in (("eval/overall/strict", "eval strict (overall)"), ("eval/overall/score", "eval score (overall)")):
-            if evals:
-                ax.plot([r.get(x_key, 0.0) for r in evals], [r[key] for r in evals], "o-", label=name)
+        for name, (key, points, style) in curves.items():
+            ax.plot([r.get(x_key, 0.0) for r in points], [r[key] for r in points], label=name, **style)
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("reward / accuracy")
@@ -120,4 +122,4 @@ def plot_report(workdir: str, path: str) -> str:
     with paths.open_file(path, "wb") as f:
         fig.savefig(f, dpi=100, format="png")
     plt.close(fig)
-    return path
+    return {name: len(points) for name, (_, points, _) in curves.items()}

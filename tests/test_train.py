@@ -209,3 +209,21 @@ def test_a_checkpoint_written_before_the_move_of_issue_40_resumes(tmp_path, caps
     assert sorted(flat) == sorted(saved.files)
     for name in saved.files:
         np.testing.assert_array_equal(flat[name], saved[name])  # bit-equal: orbax stores the float32 arrays as they are
+
+
+def test_report_draws_each_world_s_own_eval_curves(tmp_path):
+    """report.png plots the world's eval curves (`World.eval_curves`): an SD3 run's eval reward, a shapes run's overall
+    strict and score; a world's curves that the metrics lack are not drawn."""
+    from flowrl_jax import metrics
+    from flowrl_jax.worlds.sd3 import SD3World
+    from flowrl_jax.worlds.shapes import ShapesWorld
+
+    writer = metrics.MetricWriter(str(tmp_path))
+    for step in (1, 2, 3):
+        writer.scalars(step, {"reward": 0.1 * step, "wall_s": 10.0 * step})
+    for step in (0, 3):
+        writer.scalars(step, {"eval/reward": 0.2 + step, "wall_s": 10.0 * step})
+    writer.close()
+    drawn = metrics.plot_report(str(tmp_path), str(tmp_path / "report.png"), SD3World.eval_curves)
+    assert drawn == {"train reward (mean)": 3, "eval reward (test prompts)": 2} and os.path.isfile(tmp_path / "report.png")
+    assert metrics.plot_report(str(tmp_path), str(tmp_path / "shapes.png"), ShapesWorld.eval_curves) == {"train reward (mean)": 3}

@@ -449,7 +449,7 @@ def finish(job: Job, state: TrainState, stopped: str | None) -> dict:
     if history["evals"] and metrics.is_writer():
         with paths.open_file(os.path.join(job.workdir, "eval.json"), "w") as f:
             json.dump({"base": job.config.world.get("base"), "evals": history["evals"]}, f, indent=2)
-        metrics.plot_report(job.workdir, os.path.join(job.workdir, "report.png"))
+        metrics.plot_report(job.workdir, os.path.join(job.workdir, "report.png"), job.world.eval_curves)
     if len(history["evals"]) >= 2 and history["evals"][0]["step"] == 0 and metrics.is_writer():
         print(before_after(history["evals"][0], history["evals"][-1], job.world.eval_name, job.world.eval_rows))
     return result

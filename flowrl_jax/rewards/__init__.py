@@ -15,7 +15,8 @@ Host rewards, `(images numpy, prompt rows) -> r [B]`:
 Device rewards (`device.py`, weights from `config.world.reward_models`): `pickscore`, `clipscore`, `aesthetic`.
 Remote rewards (`remote.py`, host side; `train.remote_rewards` sets their batch size and deadlines): `remote:NAME@URL`,
 any reward served by `python -m flowrl_jax.rewards.serve`; `flow_grpo:geneval@URL` / `flow_grpo:deqa@URL`, flow_grpo's
-reward-server. New rewards register in `REWARDS` or `device.FACTORIES` (factories, so heavy ones load lazily).
+reward-server. New rewards register in `REWARDS` or `device.FACTORIES` (factories, so heavy ones load lazily); device
+rewards are loaded and placed once per process whoever asks (`device.loaded`).
 """
 from __future__ import annotations
 
@@ -24,11 +25,9 @@ import threading
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from flowrl_jax import parallel
-from flowrl_jax.models import clip
 from flowrl_jax.rewards import device, image, ocr, remote
 
 
@@ -95,44 +94,6 @@ def check_prompts(weighted: Sequence[tuple[str, float]], rows) -> None:
             PROMPT_CHECKS[served](rows)
 
 
-class _OnDevice:
-    """A device reward run on images where they lie: jitted, its params placed once per mesh they arrive on (the CLIP
-    towers' kernels FSDP-sharded, `clip.PARTITION_RULES`, the rest replicated; host images: the default device)."""
-
-    def __init__(self, reward: device.DeviceReward):
-        self.reward, self.apply, self.placed = reward, jax.jit(reward.apply), {}
-
-    def __call__(self, images, prompts) -> np.ndarray:
-        ids = np.asarray(self.reward.tokenize(prompts))
-        sharding = getattr(images, "sharding", None)
-        mesh = sharding.mesh if isinstance(sharding, jax.sharding.NamedSharding) else None
-        if mesh not in self.placed:
-            params = self.reward.params
-            self.placed[mesh] = (parallel.put_global(params, parallel.tree_shardings(params, mesh, clip.PARTITION_RULES))
-                                 if mesh is not None else jax.tree_util.tree_map(jnp.asarray, params))
-        if mesh is not None and images.shape[0] % parallel.batch_shards(mesh) == 0:
-            return parallel.local_rows(self.apply(self.placed[mesh], images, parallel.shard_batch(ids, mesh)))
-        return np.asarray(self.apply(self.placed[mesh], jnp.asarray(images), ids))
-
-
-_LOADED: dict[tuple, tuple[device.DeviceReward, _OnDevice]] = {}  # (name, its folders) -> the reward, loaded once
-
-
-def _device_reward(name: str, models: Any) -> tuple[device.DeviceReward, _OnDevice]:
-    """A device reward and its runner, loaded once per process whoever asks (the train loop's rewards, the world's
-    eval, the latent world's reward model): the weights are read and placed once, not once per caller."""
-    key = (name, tuple(sorted((k, str(v)) for k, v in dict(models).items())))
-    if key not in _LOADED:
-        reward = device.FACTORIES[name](models)
-        _LOADED[key] = (reward, _OnDevice(reward))
-    return _LOADED[key]
-
-
-def build_device(weighted: Sequence[tuple[str, float]], models: Any) -> dict[str, device.DeviceReward]:
-    """The device rewards of `weighted`, loaded (host params)."""
-    return {str(n): _device_reward(str(n), models)[0] for n, _ in weighted if str(n) in device.FACTORIES}
-
-
 class Weighted:
     """A weighted sum of rewards: `fn(images, prompts) -> (total [B] float32, {name: [B]})` (this process's rows). Its
     halves for a loop that scores the host's part early (`train.score_while_sampling`): `host_parts` (host and remote
@@ -172,5 +133,5 @@ def build(weighted: Sequence[tuple[str, float]], models: Any = None, remote_sett
     weighted = [(str(n), float(w)) for n, w in weighted]
     fns = {n: REWARDS[n]() for n, _ in weighted if n in REWARDS}
     fns.update({n: remote.build(n, remote_settings) for n, _ in weighted if remote.is_remote(n)})
-    fns.update({n: _device_reward(n, models)[1] for n, _ in weighted if n in device.FACTORIES})
+    fns.update({n: device.loaded(n, models)[1] for n, _ in weighted if n in device.FACTORIES})
     return Weighted(weighted, fns)

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flowrl_jax import parallel
+
 FOLDERS = {  # config.world.reward_models: where each device reward's weights are ("" = not given)
     "pickscore": "",            # a transformers CLIPModel folder (PickScore_v1)
     "pickscore_processor": "",  # optional: the folder with its processor + tokenizer (laion CLIP-ViT-H-14); "" = the model's
@@ -151,6 +153,45 @@ FACTORIES: dict[str, Callable[[Any], DeviceReward]] = {
     "clipscore": lambda models: _similarity("clipscore", models, 30.0),
     "aesthetic": _aesthetic,
 }
+
+
+class OnDevice:
+    """A device reward run on images where they lie: jitted, its params placed once per mesh they arrive on (the CLIP
+    towers' kernels FSDP-sharded, `clip.PARTITION_RULES`, the rest replicated; host images: the default device)."""
+
+    def __init__(self, reward: DeviceReward):
+        self.reward, self.apply, self.placed = reward, jax.jit(reward.apply), {}
+
+    def __call__(self, images, prompts) -> np.ndarray:
+        ids = np.asarray(self.reward.tokenize(prompts))
+        sharding = getattr(images, "sharding", None)
+        mesh = sharding.mesh if isinstance(sharding, jax.sharding.NamedSharding) else None
+        if mesh not in self.placed:
+            from flowrl_jax.models import clip
+            params = self.reward.params
+            self.placed[mesh] = (parallel.put_global(params, parallel.tree_shardings(params, mesh, clip.PARTITION_RULES))
+                                 if mesh is not None else jax.tree_util.tree_map(jnp.asarray, params))
+        if mesh is not None and images.shape[0] % parallel.batch_shards(mesh) == 0:
+            return parallel.local_rows(self.apply(self.placed[mesh], images, parallel.shard_batch(ids, mesh)))
+        return np.asarray(self.apply(self.placed[mesh], jnp.asarray(images), ids))
+
+
+_LOADED: dict[tuple, tuple[DeviceReward, OnDevice]] = {}  # (name, its folders) -> the reward, loaded once
+
+
+def loaded(name: str, models: Any) -> tuple[DeviceReward, OnDevice]:
+    """A device reward and its runner, loaded once per process whoever asks (the train loop's rewards, the world's
+    eval, the latent world's reward model): the weights are read and placed once, not once per caller."""
+    key = (name, tuple(sorted((k, str(v)) for k, v in dict(models).items())))
+    if key not in _LOADED:
+        reward = FACTORIES[name](models)
+        _LOADED[key] = (reward, OnDevice(reward))
+    return _LOADED[key]
+
+
+def load_all(weighted, models: Any) -> dict[str, DeviceReward]:
+    """The device rewards of `weighted` ((name, weight) pairs), loaded (host params)."""
+    return {str(n): loaded(str(n), models)[0] for n, _ in weighted if str(n) in FACTORIES}
 
 
 def convert_pth(source: str, target: str) -> None:

@@ -40,6 +40,7 @@ class World(Protocol):
     test_prompts: list[dict]
     eval_name: str   # the eval table's title ("GenEval-style table")
     eval_rows: str   # what its rows are ("category")
+    eval_curves: dict  # {metrics key: label}: the eval's curves in the train job's report.png
 
     def load(self) -> tuple[Any, dict]: ...
     def tokenize(self, prompts: list[dict]) -> tuple[np.ndarray, np.ndarray]: ...

@@ -61,6 +61,7 @@ def prompt_set(path: str, split: str) -> datasets.PromptDataset:
 
 class SD3World:
     eval_name, eval_rows = "Reward on the test prompts", "prompts"
+    eval_curves = {"eval/reward": "eval reward (test prompts)"}
 
     @staticmethod
     def check(settings) -> None:
@@ -194,7 +195,7 @@ class SD3World:
         if host:
             raise ValueError(f"spatial credit and LeapAlign differentiate the reward, and {host} run on the host: in the sd3 "
                              f"world set --config.train.rewards to device rewards only ({', '.join(sorted(device.FACTORIES))})")
-        built = rewards.build_device(weighted, self.world_cfg.reward_models)
+        built = device.load_all(weighted, self.world_cfg.reward_models)
         widths = [built[n].tokenize([{"prompt": ""}]).shape[1] for n, _ in weighted]
         starts = np.cumsum([0] + widths)
 

@@ -50,6 +50,7 @@ def load_prompt_set(path: str, split: str) -> list[dict]:
 
 class ShapesWorld:
     eval_name, eval_rows = "GenEval-style table", "category"  # what the train job's before/after table is called
+    eval_curves = {"eval/overall/strict": "eval strict (overall)", "eval/overall/score": "eval score (overall)"}
 
     def __init__(self, settings, eval_settings, facts: RunFacts | None = None, loaded=None):
         w, self.eval_cfg = settings, eval_settings
