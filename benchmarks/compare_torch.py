@@ -35,7 +35,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -311,8 +310,9 @@ def main() -> None:
     peak = matmul_peak(bf16=args.bf16)
     results = [run_setup(name, args.repeats, not args.no_compile, args.bf16) for name in args.setups.split(",")]
     print(table(results, peak))
-    env = dict(jax=jax.__version__, torch=torch.__version__, backend=jax.default_backend(), devices=jax.device_count(),
-               cpu_count=os.cpu_count(), machine=platform.machine(), xla_flags=os.environ.get("XLA_FLAGS", ""),
+    from machine import describe  # benchmarks/machine.py (this script's folder)
+    env = describe(jax=jax.__version__, torch=torch.__version__, backend=jax.default_backend(), devices=jax.device_count(),
+                   xla_flags=os.environ.get("XLA_FLAGS", ""),
                torch_device=args.device, bf16=args.bf16)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

@@ -151,7 +151,8 @@ def main() -> None:
             cold, warm = rows["cold"][phase], rows["cache"][phase]
             print(f"{setup:22s} {label:6s} {phase:8s} {cold.get('lower_s', float('nan')):13.1f} {cold['compile_s']:10.1f} "
                   f"{warm.get('lower_s', float('nan')):14.1f} {warm['compile_s']:10.1f}")
-    env = dict(cpu_count=os.cpu_count(), machine=platform.machine(), python=platform.python_version())
+    from machine import describe  # benchmarks/machine.py (this script's folder)
+    env = describe(python=platform.python_version())
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"env": env, "before": args.before, "set": args.set, "results": results}, f, indent=2)

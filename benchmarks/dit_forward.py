@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
@@ -74,7 +73,8 @@ def main() -> None:
         print(f"{r['preset']:8s} {r['params'] / 1e6:7.2f}M {r['batch']:3d} {r['tokens']:4d} {r['forward_ms']:8.2f} {r['fwd_bwd_ms']:11.2f} "
               f"{r['forward_gflops']:10.3f} {r['xla_forward_gflops']:8.3f} {r['forward_gflop_s']:12.1f} {r['fwd_bwd_gflop_s']:12.1f}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    env = dict(jax=jax.__version__, backend=jax.default_backend(), devices=jax.device_count(), cpu_count=os.cpu_count(), machine=platform.machine())
+    from machine import describe  # benchmarks/machine.py (this script's folder)
+    env = describe(jax=jax.__version__, backend=jax.default_backend(), devices=jax.device_count())
     with open(args.out, "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=2)
     print(f"wrote {args.out}")

@@ -89,7 +89,10 @@ def _load(path: str):
 
 
 def machine(env: dict | None = None, platforms=()) -> str:
-    """What the file says about the machine: `env` (machine, cpu_count) or `platform` strings; never more."""
+    """What the file says about the machine: `env` (cpu, cpu_count, machine: `benchmarks/machine.py`, or the older
+    machine, cpu_count) or `platform` strings; never more."""
+    if env and env.get("cpu"):
+        return f"machine: {env['cpu']}, {env.get('cpu_count', '?')} cores ({env.get('machine', '?')})"
     if env and (env.get("machine") or env.get("cpu_count")):
         parts = [env.get("machine", "architecture not recorded")]
         if env.get("cpu_count"):

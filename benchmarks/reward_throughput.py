@@ -20,7 +20,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from flowrl_jax.models import clip_text, clip_vision
 

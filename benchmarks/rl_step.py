@@ -15,7 +15,6 @@ import argparse
 import ast
 import json
 import os
-import platform
 import runpy
 import statistics
 import time
@@ -102,8 +101,8 @@ def main() -> None:
           f"{'pairs':>6s} {'update s':>8s} {'pairs/s':>8s} {'iter s':>7s}")
     print(f"{args.config:24s} {batch:4d} {s_cfg.num_steps:3d} {len(slots):7d} {rollout_s:9.2f} "
           f"{row['rollout_images_per_s']:7.1f} {reward_s:8.3f} {pairs:6d} {update_s:8.2f} {row['update_pairs_per_s']:8.1f} {per_iteration:7.1f}")
-    env = dict(jax=jax.__version__, backend=jax.default_backend(), devices=jax.device_count(), cpu_count=os.cpu_count(),
-               machine=platform.machine())
+    from machine import describe  # benchmarks/machine.py (this script's folder)
+    env = describe(jax=jax.__version__, backend=jax.default_backend(), devices=jax.device_count())
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"env": env, "rows": [row]}, f, indent=2)

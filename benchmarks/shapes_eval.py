@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
@@ -70,7 +69,8 @@ def main() -> None:
               f" {n['accept']:11.4f} {n['reject']:11.4f}")
 
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    env = dict(numpy=np.__version__, cpu_count=os.cpu_count(), machine=platform.machine())
+    from machine import describe  # benchmarks/machine.py (this script's folder)
+    env = describe(numpy=np.__version__)
     with open(args.out, "w") as f:
         json.dump({"env": env, "timing": timing, "validation": clean, "validation_noise": noisy,
                    "noise_std": args.noise}, f, indent=2)

@@ -235,3 +235,18 @@ def test_no_reference_points_outside_the_repository():
     stale = sorted(p for p, text in _sources().items()
                    if p != os.path.join("tests", "test_docs.py") and re.search(r"\bSPEC\b|SPEC\.md|\bDESIGN\.md", text))
     assert not stale, stale
+
+
+def test_the_engineering_log_stays_a_log():
+    """WORKSPACE_NOTES.md holds what is in force today (<= 300 lines); the history lives in git and docs/."""
+    with open(os.path.join(ROOT, "WORKSPACE_NOTES.md")) as f:
+        assert len(f.read().splitlines()) <= 300
+
+
+def test_a_recorded_cpu_model_reaches_the_table_and_a_missing_one_is_said():
+    """Benchmarks record the CPU (`benchmarks/machine.py`); the line under a table names it, or says it was not recorded."""
+    import machine  # benchmarks/machine.py
+    env = machine.describe()
+    assert env["cpu"] and env["cpu_count"] == os.cpu_count()
+    assert report.machine(env) == f"machine: {env['cpu']}, {env['cpu_count']} cores ({env['machine']})"
+    assert "CPU model not recorded" in report.machine({"machine": "x86_64", "cpu_count": 2})
