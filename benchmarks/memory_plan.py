@@ -8,7 +8,7 @@ estimate beside it, and the largest number of prompts per iteration (groups of 2
 Each target's plan is `common.MEMORY_PLANS[target]` (mesh, rows sampled/decoded at a time, pairs per
 forward/backward, remat) applied to `common.sd35m_train_config()`: bf16 compute with float32 params and
 log-probs, LoRA rank 32, the DiT and the three text encoders FSDP-sharded over every device. The functions are the
-train job's own (`steps.make_rollout_fn`, `make_update_fn`, `SD3World.decode_rows`), jitted with the job's shardings,
+train job's own (`rl/programs.py` `make_rollout`, `make_update_fn`, `SD3World.decode_rows`), jitted with the job's shardings,
 lowered on `jax.ShapeDtypeStruct`s and compiled by XLA:CPU for the target's device count (up to 64 simulated CPU devices;
 a GPU target is one). A phase's peak per device = what stays alive (the frozen weights and the whole train state,
 per-device shards) + the stored rollout (from the rollout to the end of the update) + the phase's XLA temp buffers

@@ -5,7 +5,7 @@ ODE sampler's, from the same model, prompts and initial noise.
 
 For every kernel (`sde` Flow-GRPO, `cps` Flow-CPS, `lc` LC-GRPO) with the SDE on every step and on the
 embedded configs' window (the first two of 10 steps), rollouts as the train job makes them
-(`programs.make_rollout_fn`: 10 steps, CFG 3, shift 1) for `per_category` train prompts of each category x
+(`rl/programs.py` `make_rollout`: 10 steps, CFG 3, shift 1) for `per_category` train prompts of each category x
 `group` images, scored by the exact evaluator; the gap is kernel minus ODE (negative: the training
 rollouts are worse samples than the policy's own ODE sampler). Prints a table, writes
 benchmarks/results/sampler_gap.json.

@@ -2,7 +2,7 @@
 
     python -m flowrl_jax.main --config configs/train_reward.py --workdir workdirs/reward
 
-Data (`rewards/learned.make_reward_data`): rendered scenes for their own or another prompt,
+Data (`worlds/shapes/learned.make_reward_data`): rendered scenes for their own or another prompt,
 corrupted scenes, and samples of the base model (`config.reward.base`) for train prompts at several
 CFG scales (so sample quality varies), all labelled by `evaluator.evaluate`. Each batch is augmented
 (`Augmenter`): images mirrored left-right, prompts swapped for another of the same category, and the

@@ -32,11 +32,11 @@ def train_config() -> ConfigDict:
                      rewards=(("shapes_score", 1.0),), rewards_without_models=(),  # the rewards used instead, with a warning, when
                      # a device reward of `rewards` has no weights given (world.reward_models): the presets' runnable demo; () = an error
                      time_budget_s=0.0,  # stop after this much training wall time, not counting the first (compiling) iteration; 0 = none
-                     rollout_chunk=0, microbatch=0,  # memory knobs (0 = off): rows sampled at a time, pairs per forward/backward (steps.py)
+                     rollout_chunk=0, microbatch=0,  # memory knobs (0 = off): rows sampled at a time, pairs per forward/backward (rl/programs.py)
                      score_while_sampling=False,  # True: each rollout chunk (train.rollout_chunk rows) is scored on a thread while the next samples
                      remote_rewards=dict(remote.DEFAULTS))  # remote:NAME@URL rewards: rows per request, seconds (rewards/remote.py)
     cfg.advantage = dict(global_std=True, clip=5.0,
-                         null_control=False)  # True: advantages shuffled within each group (steps.make_credit_fn), learning vs drift
+                         null_control=False)  # True: advantages shuffled within each group (rl/programs.py make_credit_fn), learning vs drift
     cfg.credit = credit.config_fields()  # names: the chain (credit/__init__.py); one sub-dict of options per scheme
     cfg.curriculum = dict(curriculum.DEFAULTS)  # AdaGRPO's prompt curriculum, docs/math.md §5 (enabled=False)
     cfg.objective = objectives.config_fields()  # name: grpo | advantage_flow | nft | leapalign; one sub-dict per objective, docs/math.md §4, §6
@@ -45,6 +45,6 @@ def train_config() -> ConfigDict:
     # reward; noise_seed: the eval's initial noise, the same for every run and seed (so evals of runs pair up)
     cfg.checkpoint = dict(every=25, keep=3)
     # image_change: every this many iterations (0: never), how far the iteration's update moved the final latents of
-    # the first `image_change_samples` rows at the same noise, split into trained and untrained steps (steps.make_image_change_fn)
+    # the first `image_change_samples` rows at the same noise, split into trained and untrained steps (rl/programs.py make_image_change_fn)
     cfg.diagnostics = dict(image_change_every=4, image_change_samples=16)
     return cfg
