@@ -201,16 +201,21 @@ def sample_prompts(job: Job, state: TrainState, it: int) -> Batch:
     return Batch(drawn, local, group_ids, ids, mask, job.plan.levels_at(it))
 
 
+def rollout_policy(job: Job, state: TrainState):
+    """The params that draw the rollouts: the old policy where the objective keeps one, else the policy's own."""
+    return state.old if job.plan.objective.old_policy is not None else state.params
+
+
 def rollout(job: Job, state: TrainState, batch: Batch, it: int) -> Sampled:
-    """The old policy's rollout where the objective keeps one, else the policy's. With `train.score_while_sampling` the
-    rollout runs chunk by chunk and each chunk's host and remote rewards are scored on `job.pool` while the next chunk
-    samples (`Sampled.early`)."""
-    params = state.old if job.plan.objective.old_policy is not None else state.params
+    """The rollout policy's rollout (`rollout_policy`). With `train.score_while_sampling` the rollout runs chunk by chunk
+    and each chunk's host and remote rewards are scored on `job.pool` while the next chunk samples (`Sampled.early`)."""
+    params = rollout_policy(job, state)
     rng = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(job.config.seed), it), 0)
     sched = programs_lib.schedule_of(job.config.sampler, batch.levels)
     run = job.programs.rollout
     if job.pool is None:
-        return _sampled(run(params, job.frozen, batch.ids, batch.mask, rng, batch.levels), sched)
+        ro, cond, null = run(params, job.frozen, batch.ids, batch.mask, rng, batch.levels)
+        return Sampled(ro, sched, cond, null)
     order = parallel.to_row_chunks(np.arange(len(batch.group_ids)), run.chunks, parallel.batch_shards(job.mesh))  # chunks' global rows
     early = []
 
@@ -220,13 +225,8 @@ def rollout(job: Job, state: TrainState, batch: Batch, it: int) -> Sampled:
         prompts = [batch.prompts_local[r] for r in mine]
         early.append((mine, job.pool.submit(lambda: job.reward_fn.host_parts(parallel.local_rows(images), prompts))))
 
-    out = run(params, job.frozen, batch.ids, batch.mask, rng, batch.levels, on_chunk)
-    return _sampled(out, sched, tuple(early))
-
-
-def _sampled(out, sched, early=()) -> Sampled:
-    ro, cond, null = out
-    return Sampled(ro, sched, cond, null, early)
+    ro, cond, null = run(params, job.frozen, batch.ids, batch.mask, rng, batch.levels, on_chunk)
+    return Sampled(ro, sched, cond, null, tuple(early))
 
 
 def host_rewards(job: Job, images, batch: Batch, sampled: Sampled) -> dict:
@@ -267,9 +267,8 @@ def score(job: Job, sampled: Sampled, batch: Batch, it: int) -> dict:
 def assign_credit(job: Job, state: TrainState, sampled: Sampled, batch: Batch, scored: dict, it: int):
     """-> (state, adv [B, T, K], keep [B] numpy): the credit chain, the curriculum's update, debug images."""
     t_cfg, credit = job.config.train, job.plan.credit
-    params = state.old if job.plan.objective.old_policy is not None else state.params  # the policy the rollout drew
-    ctx = programs_lib.credit_context(job.programs, job.world, job.mesh, job.frozen, params, sampled.rollout, sampled.schedule,
-                                      sampled.cond, sampled.null, batch.prompts_local, job.reward_fn)
+    ctx = programs_lib.credit_context(job.programs, job.world, job.mesh, job.frozen, rollout_policy(job, state), sampled.rollout,
+                                      sampled.schedule, sampled.cond, sampled.null, batch.prompts_local, job.reward_fn)
     extras = credit.prepare(ctx)
     key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(job.config.seed), it), 2)  # the null control's shuffle
     adv, credit_state, keep = job.programs.credit(sampled.rollout, sampled.schedule, scored["rewards"], scored["group_ids"],
