@@ -1,12 +1,12 @@
 """Shapes-world evaluator: time per batch and the full validation against the renderer.
 
-    python benchmarks/evaluator.py [--batch 1000] [--repeats 5] [--validate 5000]
+    python benchmarks/shapes_eval.py [--batch 1000] [--repeats 5] [--validate 5000]
 
 Timing: `evaluator.evaluate` (detection, scoring and the per-image detection lists) on a batch of
 rendered scenes, prompts cycling over all six categories, median of `--repeats` calls after a warm-up,
 at 32x32 and 64x64, clean and with pixel noise of std `--noise` (like a model's samples: no background pixel). Validation: `evaluator.validate(--validate)` per category (strict accuracy on the
 scene's own prompt, rejection of a near-miss prompt), clean and with pixel noise of std 0.1 (in [-1, 1]).
-Writes benchmarks/results/evaluator.json.
+Writes benchmarks/results/shapes_eval.json.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--validate", type=int, default=5000, help="scenes per category")
     parser.add_argument("--noise", type=float, default=0.1)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "evaluator.json"))
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "shapes_eval.json"))
     args = parser.parse_args()
 
     timing = [time_evaluate(args.batch, size, args.repeats, noise) for noise in (0.0, args.noise) for size in (32, 64)]

@@ -1,4 +1,4 @@
-"""The train job's learning rate (`steps.learning_rate`, `train.lr_schedule`) against its closed form."""
+"""The train job's learning rate (`rl/state.learning_rate`, `train.lr_schedule`) against its closed form."""
 import numpy as np
 from ml_collections import ConfigDict
 

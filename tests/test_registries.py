@@ -15,6 +15,7 @@ from flowrl_jax import config_lib, credit as credit_lib, main, objectives
 
 from configs import common
 from flowrl_jax.objectives.batch import IterationData, ParamTrees
+from flowrl_jax.rl import plan as plan_lib
 from flowrl_jax.rl.policy import PolicyFns
 from flowrl_jax.sampling import kernels, rollout, schedule
 from flowrl_jax.rl.minibatch import minibatches
@@ -34,6 +35,8 @@ def test_every_config_file_builds_and_passes_validate(path):
             main.validate(config)
         return  # test_sd3.py trains one on a tiny pipeline
     main.validate(config)  # its job's required fields, and the job's own checks (train: world, objective, credit)
+    if config.job == "train":  # and what needs the world: its prompt sets, checked against the rewards
+        plan_lib.make_plan(config)
 
 
 def test_the_mixgrpo_flash_variant_passes_validate_and_a_wrong_variant_is_named():

@@ -33,6 +33,7 @@ class Checked(NamedTuple):
     options: ConfigDict            # the objective's options (`objectives.resolve_options`; the DiT's patch size not yet known)
     credit: credit_lib.Credit
     rewards: tuple                 # ((name, weight), ...) the run trains on (`train_rewards`)
+    warning: str | None            # why those are not `train.rewards`, or None
 
 
 def train_rewards(config) -> tuple[tuple, str | None]:
@@ -54,7 +55,7 @@ def train_rewards(config) -> tuple[tuple, str | None]:
 def validate(config) -> Checked:
     """Every check of a train config that needs no device, file or model (module doc); ConfigError names the key."""
     s, t = config.sampler, config.train
-    weighted, _ = train_rewards(config)
+    weighted, warning = train_rewards(config)
     try:
         learning_rate(t)
         worlds.check(config)
@@ -90,7 +91,7 @@ def validate(config) -> Checked:
         raise ConfigError(f"credit {', '.join(schemes)} needs per-{need} ratios, which objective {config.objective.name!r} "
                           f"does not offer with its options (config.objective.{config.objective.name}); per-sample "
                           "objectives take credit ('uniform',) or ('uniform', 'adaptive')")
-    return Checked(objective, options, credit, weighted)
+    return Checked(objective, options, credit, weighted, warning)
 
 
 def check_mesh(config, mesh: jax.sharding.Mesh) -> None:
@@ -148,9 +149,8 @@ def make_plan(config, mesh: jax.sharding.Mesh | None = None) -> Plan:
     checked = validate(config)
     mesh = mesh if mesh is not None else parallel.make_mesh(config.mesh)
     check_mesh(config, mesh)
-    _, warning = train_rewards(config)
-    if warning:
-        print(f"flowrl_jax: warning: {warning}", file=sys.stderr)
+    if checked.warning:
+        print(f"flowrl_jax: warning: {checked.warning}", file=sys.stderr)
     try:
         world = worlds.build(config, mesh, checked.rewards)
         for prompts in (world.train_prompts, getattr(world, "test_prompts", None) or []):  # the latent world's eval scores

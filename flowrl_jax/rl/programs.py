@@ -17,7 +17,6 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from flowrl_jax import compiler, credit as credit_lib, parallel
@@ -42,7 +41,7 @@ class RolloutProgram(NamedTuple):
     same process. The outputs' rows are sharded like the batch, not left to the compiler."""
     whole: Callable     # (trainable, frozen, ids, mask, rng, levels [T]) -> (Rollout, cond, null)
     start: Callable     # (ids, mask, rng) -> ([chunk i's (ids, mask, x_T)], the steps' key)
-    chunk: Callable     # (trainable, frozen, chunk inputs, the steps' key, i, levels) -> chunk i's (Rollout, cond, null)
+    chunk: Callable     # (trainable, frozen, chunk inputs, chunk key, levels) -> its (Rollout, cond, null); `chunk_key`
     assemble: Callable  # [chunk i's (Rollout, cond, null)] -> the batch's, rows in order
     chunks: int
 
@@ -54,9 +53,19 @@ class RolloutProgram(NamedTuple):
         pieces, k_steps = self.start(ids, mask, rng)
         outs = []
         for i, rows in enumerate(pieces):
-            outs.append(self.chunk(trainable, frozen, rows, k_steps, np.int32(i), levels))
+            outs.append(self.chunk(trainable, frozen, rows, chunk_key(k_steps, i, len(pieces)), levels))
             on_chunk(i, outs[-1])
         return self.assemble(outs)
+
+
+def chunk_key(k_steps, i, chunks: int):
+    """The step noise's key of chunk `i` of `chunks`: `fold_in(k_steps, i)`, or `k_steps` itself for a whole batch."""
+    return jax.random.fold_in(k_steps, i) if chunks > 1 else k_steps
+
+
+def num_chunks(rows: int, rollout_chunk: int) -> int:
+    """How many chunks of `train.rollout_chunk` rows a batch of `rows` is sampled in (1 without chunking)."""
+    return rows // rollout_chunk if 0 < rollout_chunk < rows else 1
 
 
 def make_rollout(policy: Policy, world, config, row_sharding: jax.sharding.NamedSharding | None = None) -> RolloutProgram:
@@ -64,30 +73,29 @@ def make_rollout(policy: Policy, world, config, row_sharding: jax.sharding.Named
     s, t = config.sampler, config.train
     sigmas = schedule.sigmas(s.num_steps, s.shift)
     tail = windows.tail(s)
-    rows_total = t.prompts_per_iteration * t.group_size
-    chunks = rows_total // t.rollout_chunk if 0 < t.get("rollout_chunk", 0) < rows_total else 1
+    chunks = num_chunks(t.prompts_per_iteration * t.group_size, t.get("rollout_chunk", 0))  # of an iteration's batch
     shards = parallel.batch_shards(row_sharding.mesh) if row_sharding is not None else 1
 
     def noise(ids, rng):  # -> (x_T [B, ...], the steps' key): the whole batch's initial noise, chunked or not
         k_noise, k_steps = jax.random.split(rng)
         return rollout_lib.initial_noise(k_noise, world.latent_shape(ids.shape[0]), t.group_size, s.same_noise_per_group), k_steps
 
-    def chunk(trainable, frozen, rows, k_steps, i, levels):
+    def chunk(trainable, frozen, rows, key, levels):
         ids, mask, x_T = rows
         cond = world.encode(frozen, ids, mask)
         null = world.null_condition(frozen, ids.shape[0])
         velocity = rollout_lib.guided(policy.velocity_fn(policy.sampling_variables(trainable, frozen["dit"])), cond, null, s.cfg)
-        key = jax.random.fold_in(k_steps, i) if chunks > 1 else k_steps
         ro = rollout_lib.rollout(velocity, x_T, sigmas, levels, key, s.kind, policy.dit.patch_size, s.logprob_form, **tail)
         return ro, cond, null
 
-    def whole(trainable, frozen, ids, mask, rng, levels):
+    def rollout_fn(trainable, frozen, ids, mask, rng, levels):  # the name profiles show (jit_rollout_fn)
         x_T, k_steps = noise(ids, rng)
         b = ids.shape[0]
-        if chunks == 1:
-            return parallel.constrain_rows(chunk(trainable, frozen, (ids, mask, x_T), k_steps, 0, levels), row_sharding, b)
-        out = parallel.map_row_chunks(lambda i, rows: chunk(trainable, frozen, rows, k_steps, i, levels), (ids, mask, x_T),
-                                      chunks, shards, row_sharding)
+        n = num_chunks(b, t.get("rollout_chunk", 0))
+        if n == 1:
+            return parallel.constrain_rows(chunk(trainable, frozen, (ids, mask, x_T), k_steps, levels), row_sharding, b)
+        out = parallel.map_row_chunks(lambda i, rows: chunk(trainable, frozen, rows, chunk_key(k_steps, i, n), levels),
+                                      (ids, mask, x_T), n, shards, row_sharding)
         return parallel.constrain_rows(out, row_sharding, b)
 
     def start(ids, mask, rng):
@@ -99,7 +107,7 @@ def make_rollout(policy: Policy, world, config, row_sharding: jax.sharding.Named
         rows = jax.tree_util.tree_map(lambda *parts: parallel.from_row_chunks(parts, shards), *outs)
         return parallel.constrain_rows(rows, row_sharding, rows[0].final.shape[0])
 
-    return RolloutProgram(whole, start, chunk, assemble, chunks)
+    return RolloutProgram(rollout_fn, start, chunk, assemble, chunks)
 
 
 def make_completion_fn(policy: Policy, config) -> Callable:
@@ -166,6 +174,8 @@ def make_update_fn(policy: Policy, objective, options, optimizer, config, reward
         m = rows.shape[0]
         if not microbatch or microbatch >= m:
             return value_and_grad(state, frozen, data, rows, slots, weight, key)
+        if m % microbatch:  # the loop's minibatches are whole microbatches (`minibatch.minibatch_pairs`); a direct call may not be
+            raise ValueError(f"train.microbatch={microbatch} must divide the minibatch's {m} pairs")
         total = jnp.maximum(weight.sum(), 1e-8)
 
         def body(acc, inputs):
@@ -257,7 +267,7 @@ def compile_programs(plan, policy: Policy, frozen_shardings, state_shardings, re
     rollout = RolloutProgram(
         whole=jax.jit(pieces.whole, in_shardings=(state_shardings.params, frozen_shardings, data, data, replicated, replicated)),
         start=jax.jit(pieces.start, in_shardings=(data, data, replicated), out_shardings=([data] * pieces.chunks, replicated)),
-        chunk=jax.jit(pieces.chunk, in_shardings=(state_shardings.params, frozen_shardings, data, replicated, None, replicated),
+        chunk=jax.jit(pieces.chunk, in_shardings=(state_shardings.params, frozen_shardings, data, replicated, replicated),
                       out_shardings=data),
         assemble=jax.jit(pieces.assemble), chunks=pieces.chunks)
     objective = plan.objective

@@ -4,8 +4,8 @@
     state, state_shardings = init_state(plan, policy, frozen)    # step 0, created already sharded on the mesh
 
 `frozen = {"dit", "text", ...}` are the world's base weights (the KL reference and the frozen text encoder) and, when
-the objective or a credit scheme differentiates the world's reward model, `"reward"` (its params), all placed by the
-partition rules. The state is donated by the update (`programs.Programs.update`): only the value it returns is live.
+the objective differentiates the world's reward model, `"reward"` (its params), all placed by the partition rules (a
+credit scheme that differentiates it gets its own replicated copy: `programs.reward_gradient_fn`). The state is donated by the update (`programs.Programs.update`): only the value it returns is live.
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def init_state(plan, policy: Policy, frozen: dict) -> tuple[TrainState, Any]:
     """-> (the TrainState at step 0, created sharded by the partition rules, its shardings). Its randomness is
     `fold_in(PRNGKey(seed), 1)`."""
     config = plan.config
-    build = lambda rng: initial_state(policy, make_optimizer(config.train), plan.credit, plan.objective, config,  # noqa: E731
+    build = lambda rng: initial_state(policy, plan.optimizer, plan.credit, plan.objective, config,  # noqa: E731
                                       len(plan.world.train_prompts), frozen["dit"], rng)
     rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
     shardings = parallel.tree_shardings(jax.eval_shape(build, rng), plan.mesh, config.partition_rules, config.min_fsdp_size)

@@ -53,6 +53,8 @@ class ShapesWorld:
     eval_curves = {"eval/overall/strict": "eval strict (overall)", "eval/overall/score": "eval score (overall)"}
 
     def __init__(self, settings, eval_settings, facts: RunFacts | None = None, loaded=None):
+        """`facts` is taken for the worlds' one signature and not needed here: the shapes world's weights are small enough
+        to stay replicated, its decode is the identity and its eval scores exactly."""
         w, self.eval_cfg = settings, eval_settings
         self.loaded = loaded
         self.dit_fields = dict(scan_blocks=w.get("scan_blocks", "auto"), attention=w.get("attention", "xla"))

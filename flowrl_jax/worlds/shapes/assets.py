@@ -1,5 +1,5 @@
 """Shipped models, loadable by name: `flowrl_jax/assets/<name>/` (`shapes32`: the base DiT and text
-encoder; `shapes32_reward`: the learned reward, loaded by `rewards.learned.load`).
+encoder; `shapes32_reward`: the learned reward, loaded by `worlds/shapes/learned.load`).
 
     pipe, params, info = load_pipeline("shapes32")           # a shipped asset, manifest-checked
     pipe, params, info = load_pipeline("workdirs/pretrain")  # or any pretrain workdir (latest checkpoint)
