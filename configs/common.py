@@ -105,6 +105,8 @@ def apply_memory_plan(config: ConfigDict, target: str) -> ConfigDict:
     config.mesh = plan.get("mesh", (("data", 1), ("fsdp", -1)))
     config.partition_rules = FROZEN_DIT_RULES[plan.get("frozen_dit", "fsdp")] + SD35M_RULES
     config.train.update(rollout_chunk=plan["rollout_chunk"], microbatch=plan["microbatch"])
+    config.eval.batch_size = -(-config.eval.batch_size // plan["devices"]) * plan["devices"]  # whole rows on every device (the
+    # eval is split over the batch axes, which span every device in these meshes): 16 -> 32 on v5p-64, 64 on v6e-64
     config.world.remat = plan["remat"]
     config.world.param_dtype = plan.get("param_dtype", "float32")  # the frozen weights' (LoRA adapters stay float32)
     return config

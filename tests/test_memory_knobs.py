@@ -150,6 +150,7 @@ def test_every_memory_plan_divides_its_batch_shards(target):
     rows = t.prompts_per_iteration * t.group_size
     assert t.rollout_chunk % shards == 0 and rows % t.rollout_chunk == 0, (t.rollout_chunk, shards, rows)
     assert t.microbatch % shards == 0, (t.microbatch, shards)
+    assert config.eval.batch_size % shards == 0 and config.eval.batch_size >= 16, (config.eval.batch_size, shards)  # sharded eval
     replicated = plan.get("frozen_dit", "fsdp") == "replicate"
     for path, frozen_dit in (("dit/transformer_blocks_0/attn/to_q/kernel", True), ("params/transformer_blocks_0/attn/to_q/kernel", False),
                              ("text/t5/block_0/layer_0/SelfAttention/q/kernel", False)):

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 
-from flowrl_jax import checkpoint, main, parallel, worlds  # noqa: E402
+from flowrl_jax import checkpoint, main, parallel, rewards, worlds  # noqa: E402
 from flowrl_jax.jobs import train  # noqa: E402
 from flowrl_jax.data import datasets  # noqa: E402
 from flowrl_jax.models import convert  # noqa: E402
@@ -145,7 +145,7 @@ def _config(folder, prompts, **fields):
             "world.clip_max_length": CLIP_LEN, "world.t5_max_length": T5_LEN, "world.dtype": "float32",
             "sampler.num_steps": 3, "sampler.sde_window": (0, 2), "train.iterations": 2, "train.prompts_per_iteration": 2,
             "train.group_size": 4, "train.minibatches": 1, "train.lora_rank": 4, "eval.at_start": False, "eval.every": 0,
-            "eval.num_steps": 2, "eval.batch_size": 2, "checkpoint.every": 1}
+            "eval.num_steps": 2, "eval.batch_size": 8, "checkpoint.every": 1}  # eval batch: a multiple of the 8 batch shards
     return load_config("configs/sd35m_pickscore.py", **{**tiny, **fields})
 
 
@@ -338,3 +338,41 @@ def test_train_on_pickscore_flow_grpo_resumes_bit_equal_and_leapalign_and_spatia
                "eval.every": 0, "checkpoint.every": 0}  # spatial credit's map: the reward's gradient in the latents' tokens
     out = main.run_job(_config(folder, prompts, **spatial), str(tmp_path / "spatial"))
     assert out["step"] == 1 and os.path.isfile(tmp_path / "spatial" / "credit_maps_000001.png")
+
+
+def test_eval_is_sharded_over_the_batch_axes_and_equals_the_unsharded_table(sd3, pickscore_folder, tmp_path):
+    """The latent world's eval splits every batch over the mesh's batch axes (ids, noise and images read back sharded),
+    scores each row once where it lies, and drops the padding; its table equals the same samples computed unsharded on
+    one device (2 test prompts x 5 samples = 10 rows: a full batch of 8 and one of 2 padded to 8)."""
+    folder, _ = sd3
+    config = _config(folder, _prompt_dataset(tmp_path), **{"train.rewards": (("pickscore", 1.0),), "eval.num_steps": 1,
+                                                           "world.reward_models.pickscore": pickscore_folder, "eval.samples_per_prompt": 5})
+    world = worlds.build(config)
+    _, host = world.load()
+    frozen = world.place(host)
+    params = {k: frozen[k] for k in ("dit", "text", "vae")}
+    rows = [p for p in world.test_prompts for _ in range(5)]
+    ids, noise = world.eval_inputs(rows[:8], jax.random.PRNGKey(5))
+    images = world.eval_batch(params, ids, noise)
+    batch = parallel.batch_sharding(world.facts.mesh)
+    assert parallel.batch_shards(world.facts.mesh) == 8
+    for x in (ids, noise, images):
+        assert x.sharding.is_equivalent_to(batch, x.ndim), x.sharding
+    table = world.evaluate(frozen["dit"], frozen, 0, str(tmp_path)).entry["table"]["test"]
+    assert table["n"] == 10 and os.path.isfile(tmp_path / "eval_000000.png")
+
+    e, pipe, reward = config.eval, world.pipe, rewards.build((("pickscore", 1.0),), config.world.reward_models)
+    sample = jax.jit(lambda p, i, n: pipe.decode(p["vae"], pipe.sample_from(p["dit"], world.encode(p, i, None),
+                                                                               world.null_condition(p, i.shape[0]), n, e.num_steps, e.cfg, e.shift)))
+    scores = []
+    for k, start in enumerate(range(0, 10, 8)):  # the unsharded reference: one device, the same rows and noise
+        chunk = rows[start : start + 8]
+        padded = chunk + [chunk[-1]] * (8 - len(chunk))
+        noise_k = jax.random.normal(jax.random.fold_in(jax.random.PRNGKey(e.noise_seed), k), world.latent_shape(8))
+        out = np.asarray(sample(jax.device_get(host), jnp.asarray(world.tokenize(padded)[0]), noise_k))
+        scores.append(reward(out, padded)[0][: len(chunk)])
+    # The same float32 computation per row, with the batch split over 8 devices instead of one: XLA may block the matmuls
+    # differently, a few ulp per op through one ODE step, the VAE and both CLIP towers; the ports' parity against PyTorch
+    # is ~4e-7 relative (test_clip, test_vae), so 1e-4 of a PickScore (|r| <= 100/26) is ~100x that. A row scored twice,
+    # dropped, or given another row's noise moves the mean by O(0.1).
+    np.testing.assert_allclose(table["reward"], np.mean(np.concatenate(scores)), rtol=1e-4, atol=1e-5)  # ~100x float32 parity, above

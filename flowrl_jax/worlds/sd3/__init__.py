@@ -73,6 +73,11 @@ class SD3World:
     def __init__(self, settings, eval_settings, facts: RunFacts):
         w = settings
         self.check(settings)
+        shards = parallel.batch_shards(facts.mesh)
+        if w.test_prompts and eval_settings.batch_size % shards:
+            raise ValueError(f"eval.batch_size={eval_settings.batch_size} must be a multiple of the {shards} batch shards of the mesh "
+                             f"(config.mesh): each eval batch is split over them; e.g. --config.eval.batch_size="
+                             f"{-(-eval_settings.batch_size // shards) * shards}")
         if not os.path.isdir(w.pipeline):
             raise FileNotFoundError(f"config.world.pipeline: folder {w.pipeline} not found (a diffusers SD3 pipeline folder)")
         test = prompt_set(w.test_prompts, "test") if w.test_prompts else []
@@ -90,7 +95,7 @@ class SD3World:
         self.world_cfg, self.eval_cfg, self.facts = settings, eval_settings, facts
         self._rows = parallel.batch_sharding(facts.mesh)
         self.train_prompts, self.test_prompts = train_prompts, test_prompts
-        self.pipe, self._sampler, self._reward_fn, self.reader = pipe, None, None, None
+        self.pipe, self._sampler, self._noise, self._reward_fn, self.reader = pipe, None, None, None, None
 
     # ------------------------------------------------------------------------------------------ model
     def load(self):
@@ -210,42 +215,65 @@ class SD3World:
 
         return RewardModel(apply, {"vae": self._vae, "rewards": {n: r.params for n, r in built.items()}}, tokenize)
 
+    def eval_inputs(self, rows: list[dict], key) -> tuple[jax.Array, jax.Array]:
+        """-> (ids, noise [B, h, w, C]) of one eval batch of `eval.batch_size` prompt rows (every process passes the same
+        rows), both batch-sharded over the mesh's batch axes: each process tokenizes its own rows, and the noise is drawn
+        from `key` where it lies (threefry draws the same values whatever the sharding)."""
+        if self._noise is None:
+            self._noise = jax.jit(lambda k: jax.random.normal(k, self.latent_shape(self.eval_cfg.batch_size)), out_shardings=self._rows)
+        local = parallel.process_batch_slice(len(rows))
+        ids = parallel.shard_batch(self.tokenize(rows[local])[0], self.facts.mesh)
+        return ids, self._noise(key)
+
+    def eval_batch(self, params: dict, ids, noise) -> jax.Array:
+        """Images [B, H, W, 3] of one eval batch: the ODE sampler (CFG `eval.cfg`, `eval.num_steps` at `eval.shift`) and the
+        VAE decode (in `facts.decode_chunk` row chunks), every device on its own rows; the images stay batch-sharded."""
+        if self._sampler is None:
+            e = self.eval_cfg
+
+            def sample(p, ids, noise):
+                cond, null = self.encode(p, ids, None), self.null_condition(p, ids.shape[0])
+                latents = self.pipe.sample_from(p["dit"], cond, null, noise, e.num_steps, e.cfg, e.shift)
+                return self.decode_rows(p["vae"], parallel.constrain_rows(latents, self._rows, ids.shape[0]))
+
+            self._sampler = jax.jit(sample, out_shardings=self._rows)
+        return self._sampler(params, ids, noise)
+
     def evaluate(self, dit_params, frozen, step: int, workdir: str) -> Evaluation:
-        """The train rewards of ODE samples (CFG `eval.cfg`, `eval.num_steps` at `eval.shift`) on the test prompts;
-        writes eval_<step>.png."""
+        """The train rewards of ODE samples on the test prompts, sharded over the mesh's batch axes (`eval_batch`); each
+        process scores its own rows where the images lie (host rewards on its rows, device rewards on the device, a reward
+        server sees each row once), and the scores are gathered for the table. Writes eval_<step>.png."""
         e = self.eval_cfg
         if not self.test_prompts:
             return Evaluation({"table": {}}, {}, "no test prompts (config.world.test_prompts)")
-        if self._sampler is None:
-            def sample(p, ids, noise):
-                cond, null = self.encode(p, ids, None), self.null_condition(p, ids.shape[0])
-                return self.pipe.decode(p["vae"], self.pipe.sample_from(p["dit"], cond, null, noise, e.num_steps, e.cfg, e.shift))
-
-            self._sampler = jax.jit(sample)
+        if self._reward_fn is None:
             self._reward_fn = rewards.build(self.facts.rewards, self.world_cfg.reward_models, self.facts.remote_rewards)
         params = {"dit": dit_params, "text": frozen["text"], "vae": frozen["vae"]}
         rows = [p for p in self.test_prompts for _ in range(e.samples_per_prompt)]
         rng = jax.random.PRNGKey(e.noise_seed)  # the same noise at every eval
-        images, parts = [], []
+        local, mesh = parallel.process_batch_slice(e.batch_size), self.facts.mesh
+        grid, totals, parts = [], [], {}
         for i, start in enumerate(tqdm(range(0, len(rows), e.batch_size), desc="eval", leave=False)):
             chunk = rows[start : start + e.batch_size]
-            pad = e.batch_size - len(chunk)  # one compiled shape
-            ids = jnp.asarray(self.tokenize(chunk + [{"prompt": ""}] * pad)[0])
-            noise = jax.random.normal(jax.random.fold_in(rng, i), self.latent_shape(e.batch_size))
-            out = parallel.to_host(self._sampler(params, ids, noise))[: len(chunk)]  # gathered: XLA picks the output's sharding
-            images.append(out)
+            padded = chunk + [chunk[-1]] * (e.batch_size - len(chunk))  # one compiled shape; the copies are dropped below
+            images = self.eval_batch(params, *self.eval_inputs(padded, jax.random.fold_in(rng, i)))
+            if len(grid) < 16:
+                grid.extend(parallel.to_host(images)[: min(len(chunk), 16 - len(grid))])
             failure = None
-            try:  # every process scores the gathered batch: a failure anywhere is raised everywhere, before the next collective
-                parts.append(self._reward_fn(out, chunk))
+            try:  # a failure anywhere is raised everywhere, before the next collective
+                total, named = self._reward_fn(images, padded[local])
             except Exception as err:
                 failure = err
             rewards.agree_on_failure(failure)
-        images = np.concatenate(images)
-        table = {"test": {"reward": float(np.mean(np.concatenate([p[0] for p in parts]))),
-                          **{n: float(np.mean(np.concatenate([p[1][n] for p in parts]))) for n in parts[0][1]},
-                          "n": len(rows)}}
+            gather = lambda v: parallel.to_host(parallel.global_from_local(np.asarray(v, np.float32), mesh))[: len(chunk)]  # noqa: E731
+            totals.append(gather(total))
+            for n, v in named.items():
+                parts.setdefault(n, []).append(gather(v))
+        table = {"test": {"reward": float(np.mean(np.concatenate(totals))),
+                          **{n: float(np.mean(np.concatenate(v))) for n, v in parts.items()}, "n": len(rows)}}
         if jax.process_index() == 0:
-            metrics.save_grid(images[:16], os.path.join(workdir, f"eval_{step:06d}.png"), labels=[r["prompt"][:24] for r in rows[:16]],
+            images = np.stack(grid)
+            metrics.save_grid(images, os.path.join(workdir, f"eval_{step:06d}.png"), labels=[r["prompt"][:24] for r in rows[:16]],
                               scale=max(1, 96 // images.shape[1]))
         scalars = {f"eval/{k}": v for k, v in table["test"].items() if k != "n"}
         text = (f"eval at step {step} ({len(self.test_prompts)} test prompts x {e.samples_per_prompt}, ODE {e.num_steps} steps, "
