@@ -11,11 +11,13 @@
 # Every worker runs the same command (jax.distributed finds its peers on a pod); only process 0 writes metrics,
 # PNGs and checkpoint metadata, and prints the progress bar: follow it with
 #   gcloud compute tpus tpu-vm ssh $TPU_NAME --zone=$ZONE --worker=0 --command="tail -f ~/flowrl_train.log"
-# Per worker: ~/flowrl_train.pid holds the python process's PID, ~/flowrl_train.exit its exit status once it ended;
-# ~/flowrl_train.log gets the output (appended) and a line per start and exit. A worker whose job is still running
-# refuses to start a second one.
-# Preemption / stop: SIGTERM (what a maintenance event sends; `tpu_scripts/stop.sh`) makes every process save a
-# checkpoint at the end of its iteration and exit. Resuming is running this script again with the same WORKDIR.
+# Per worker: ~/flowrl_train.pid holds the python process's PID, ~/flowrl_train.exit its exit status once it ended
+# (0 done, 75 stopped by a signal after saving or a reward server unreachable: rerun, 2 a config error: fix first,
+# others: may be retried); ~/flowrl_train.log gets the output (appended) and a line per start and exit. A worker
+# whose job is still running refuses to start a second one. Starting removes stop.sh's ~/flowrl_train.stopping.
+# Stop: SIGTERM (`tpu_scripts/stop.sh`, a maintenance event) makes every process save a checkpoint at the end of its
+# iteration and exit 75; running this script again with the same WORKDIR resumes. A preempted (spot) slice is gone
+# with its disks: tpu_scripts/recover.sh makes it again and resumes; supervise.sh does all of this unattended.
 set -euo pipefail
 : "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}" "${CONFIG:?set CONFIG}" "${WORKDIR:?set WORKDIR (gs://bucket/...)}"
 # shellcheck source=tpu_scripts/job_args.sh source-path=SCRIPTDIR
@@ -32,7 +34,7 @@ if [ -s "$pidfile" ] && pid=$(cat "$pidfile") && alive "$pid" && grep -aq flowrl
   echo "a train job is already running here (pid $pid); stop it first (tpu_scripts/stop.sh)"
   exit 1
 fi
-rm -f "$pidfile" "$exitfile"
+rm -f "$pidfile" "$exitfile" ~/flowrl_train.stopping  # a new job: stop.sh may signal it (once)
 echo "[train.sh $(date -u +%FT%TZ)] start: python -m flowrl_jax.main ${args[*]}" >> "$log"
 # A wrapper waits for the job to note its exit status; the pidfile holds the python process itself (stop.sh signals it).
 PYTHONUNBUFFERED=1 nohup bash -c '
