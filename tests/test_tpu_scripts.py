@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -188,3 +189,118 @@ def test_scp_needs_the_target_folder(standin, tmp_path):
     os.makedirs(os.path.join(standin.home("c", 0), "missing"))
     p = subprocess.run([*scp, "c:~/missing/"], env=standin.env, capture_output=True, text=True, timeout=30)
     assert p.returncode == 0 and os.path.isfile(os.path.join(standin.home("c", 0), "missing", "f.txt"))
+
+
+# ------------------------------------------------------------------------------------ create's flags, queued resources
+def test_create_passes_flags_through(standin):
+    standin.script("create.sh", "--service-account=sa@p.iam.gserviceaccount.com", TPU_NAME="f", ACCEL="v4-8",
+                   CREATE_FLAGS="--spot  --network=net-1")
+    assert standin.tpu("f")["flags"] == ["--spot", "--network=net-1", "--service-account=sa@p.iam.gserviceaccount.com"]
+
+
+def test_queued_create_waits_until_active(standin):
+    p = standin.script("create.sh", "--reserved", TPU_NAME="q", ACCEL="v5p-8", QUEUED="1", CREATE_POLL="0.1",
+                       GCLOUD_STANDIN_QUEUE_WAIT="0.4")
+    assert "is WAITING_FOR_RESOURCES" in p.stdout and "is ACTIVE" in p.stdout and "q is READY" in p.stdout
+    assert standin.tpu("q")["flags"] == ["--reserved"] and standin.tpu("q")["state"] == "READY"
+    with open(os.path.join(standin.root, "queued", "q.json")) as f:
+        assert json.load(f)["node_id"] == "q"
+
+
+# ------------------------------------------------------------------------------------ stop.sh: once, FORCE=1 kills
+def test_stop_signals_once_and_only_force_kills(standin, tmp_path):
+    standin.create("o", "v4-8")
+    terms = tmp_path / "terms"
+    # A job that notes each SIGTERM and goes on (as the train job finishes its iteration); its argv names the module.
+    job = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
+                            "signal.signal(signal.SIGTERM, lambda *a: open(sys.argv[1], 'a').write('TERM\\n'))\n"
+                            "time.sleep(60)", str(terms), "flowrl_jax.main"])
+    try:
+        with open(os.path.join(standin.home("o", 0), "flowrl_train.pid"), "w") as f:
+            f.write(f"{job.pid}\n")
+        assert "SIGTERM sent" in standin.script("stop.sh", TPU_NAME="o", STOP_WAIT="0").stdout
+        assert wait_for(str(terms)) == "TERM\n"
+        assert open(os.path.join(standin.home("o", 0), "flowrl_train.stopping")).read().strip() == str(job.pid)
+        p = standin.script("stop.sh", check=False, TPU_NAME="o", STOP_WAIT="1")  # again: waits, sends nothing
+        assert p.returncode == 1 and "not signalled again" in p.stdout and "still running after 1 s" in p.stdout
+        assert terms.read_text() == "TERM\n" and job.poll() is None
+        p = standin.script("stop.sh", TPU_NAME="o", STOP_WAIT="5", FORCE="1")
+        assert "SIGKILL sent" in p.stdout and "lost" in p.stdout
+        assert job.wait(timeout=5) == -signal.SIGKILL and terms.read_text() == "TERM\n"
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(timeout=5)
+
+
+# ------------------------------------------------------------------------------------ supervise.sh, recover.sh, preemption
+@pytest.mark.parametrize("states, decision", [
+    ("PREEMPTED", "recover"), ("MISSING", "recover"), ("TERMINATED", "recover"), ("CREATING", "wait"),
+    ("UNKNOWN", "wait"), ("READY", "wait"),  # READY but no worker answered
+    ("READY running running", "running"), ("READY exited:75 running", "running"),
+    ("READY exited:0 exited:0", "done"), ("READY exited:75 exited:75", "relaunch"), ("READY exited:137 exited:1", "relaunch"),
+    ("READY exited:0 exited:75", "relaunch"), ("READY lost idle", "relaunch"), ("READY exited:2 running", "config_error"),
+    ("READY stopped:75 stopped:75", "stopped"), ("READY bare running", "recover"), ("READY garbled", "wait")])
+def test_supervise_decisions(states, decision):
+    p = subprocess.run(["bash", os.path.join(SCRIPTS, "supervise.sh"), "--decide", *states.split()], capture_output=True,
+                       text=True, timeout=10, check=True)
+    assert p.stdout.strip() == decision
+
+
+def fake_venv(tmp_path, codes: dict[int, str]) -> str:
+    """A folder `flowrl_jax` to stage into the workers' homes (stage.sh with STAGE_DIR=.): its .venv/bin/python is a
+    fake train job that takes the next word of tmp/codes.<worker> (outside the homes, which a preemption wipes):
+    a status to exit with after 1.2 s (past train.sh's start check), or `hang` (notes SIGTERM in tmp/terms, runs on)."""
+    for worker, words in codes.items():
+        (tmp_path / f"codes.{worker}").write_text(words + "\n")
+    bin_dir = tmp_path / "stage" / "flowrl_jax" / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").write_text(f"""#!/bin/bash
+codes={tmp_path}/codes.$TPU_WORKER_ID
+read -r first rest < "$codes"; echo "$rest" > "$codes"
+echo "fake job: $first"
+if [ "$first" = hang ]; then trap 'echo TERM >> {tmp_path}/terms' TERM; while :; do sleep 0.05; done; fi
+sleep 1.2; exit "$first"
+""")
+    (bin_dir / "python").chmod(0o755)
+    return str(tmp_path / "stage" / "flowrl_jax")
+
+
+JOB = {"CONFIG": "configs/flow_grpo.py", "WORKDIR": "/tmp/unused", "POLL": "0.2", "STAGE_DIR": ".", "RETRY_PAUSE": "0"}
+
+
+def test_supervise_relaunches_a_stopped_job_and_stops_on_a_config_error(standin, tmp_path):
+    standin.create("v", "v4-8")
+    standin.script("stage.sh", fake_venv(tmp_path, {0: "75 2"}), TPU_NAME="v", STAGE_DIR=".")
+    p = standin.script("supervise.sh", check=False, TPU_NAME="v", **JOB)  # idle -> start; 75 -> again; 2 -> stop
+    assert p.returncode == 2, p.stdout + p.stderr
+    decisions = re.findall(r"^\[supervise\.sh \S+Z\] slice READY, jobs (.*)$", p.stdout, re.MULTILINE)
+    decisions = [d for d in decisions if d != "running: running"]  # seen or not, depending on the poll's timing
+    assert decisions == ["idle: relaunch", "exited:75: relaunch", "exited:2: config_error"], p.stdout
+    assert "fake job: 2" in p.stdout  # the log's tail
+
+
+def test_preemption_wipes_the_slice_and_the_supervisor_recovers_it(standin, tmp_path):
+    staged = fake_venv(tmp_path, {0: "hang 0", 1: "hang 0"})
+    env = dict(TPU_NAME="r", ACCEL="v5p-16", CREATE_FLAGS="--spot", STAGE_SOURCES=staged, **JOB)
+    standin.script("create.sh", **env)
+    standin.script("stage.sh", staged, **env)
+    standin.script("train.sh", **env)
+    pids = [int(wait_for(os.path.join(standin.home("r", w), "flowrl_train.pid"))) for w in range(2)]
+    uid = standin.tpu("r")["uid"]
+    preempt = ["gcloud", "compute", "tpus", "tpu-vm", "simulate-preemption", "r", "--zone=zone-a", "--notice=0.5"]
+    p = subprocess.run(preempt, env=standin.env, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0 and "0 process(es) ended after SIGTERM" not in p.stdout, p.stdout + p.stderr
+    assert (tmp_path / "terms").read_text() == "TERM\nTERM\n"  # both jobs were told, then killed after the notice
+    assert all(not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().rpartition(")")[2][:3]
+               for pid in pids)
+    assert standin.tpu("r")["state"] == "PREEMPTED" and all(os.listdir(standin.home("r", w)) == [] for w in range(2))
+    p = subprocess.run(["gcloud", "compute", "tpus", "tpu-vm", "ssh", "r", "--zone=zone-a", "--command=true"],
+                       env=standin.env, capture_output=True, text=True, timeout=30)
+    assert p.returncode != 0 and "PREEMPTED" in p.stderr
+    p = standin.script("supervise.sh", RECOVER_STEPS="delete create stage train", **env)
+    assert "slice PREEMPTED, jobs (none read): recover" in p.stdout and "the run is complete" in p.stdout, p.stdout
+    for step in ("delete", "create", "stage", "train"):
+        assert re.search(rf"^recover\.sh: {step} [\d.]+ s$", p.stdout, re.MULTILINE), p.stdout
+    tpu = standin.tpu("r")
+    assert tpu["uid"] != uid and tpu["flags"] == ["--spot"] and tpu["state"] == "READY"
