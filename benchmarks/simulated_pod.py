@@ -53,6 +53,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -306,7 +307,22 @@ class Pod:
             self.supervisor = subprocess.Popen(["bash", os.path.join("tpu_scripts", "supervise.sh"), *ARGS], cwd=REPO,
                                                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                                start_new_session=True)
+        self.seen: dict = {}  # what -> when it was first seen (the watcher thread)
+        threading.Thread(target=self.watch, daemon=True).start()
         return f"supervise.sh pid {self.supervisor.pid}, POLL {DRILL_POLL_S} s"
+
+    def watch(self) -> None:
+        """While the supervisor runs, note when recover.sh starts, when its train step is done, and when each
+        checkpoint step first exists (every 50 ms, so the recovery's phases are timed from outside the scripts)."""
+        while self.supervisor.poll() is None:
+            text = self.supervisor_log()
+            if "recover_start" not in self.seen and "recover.sh: delete (try 1" in text:
+                self.seen["recover_start"] = time.time()
+            if "train_started" not in self.seen and re.search(r"^recover\.sh: train [\d.]+ s$", text, re.MULTILINE):
+                self.seen["train_started"] = time.time()
+            for step in self.steps_saved(self.drill_dir):
+                self.seen.setdefault(("step", step), time.time())
+            time.sleep(0.05)
 
     def supervisor_log(self) -> str:
         with open(self.supervise_log, errors="replace") as f:
@@ -332,23 +348,19 @@ class Pod:
         self.t_preempted = self.t_preempt + float(down.group(1))  # from then on the slice is PREEMPTED
         saved = self.steps_saved(self.drill_dir)
         self.drill["saved_before_preemption"] = max(saved)
-        wiped = [not os.listdir(h) for h in self.homes if os.path.isdir(h)]
-        return f"{out.strip().splitlines()[-1]}; checkpoints {saved}; disks wiped {wiped}"
+        return f"{out.strip().splitlines()[-1]}; checkpoints {saved}"
 
     def recovered(self, timeout: float):
         """Wait for the supervisor to end the run; note when recover.sh starts and when the first new step is saved."""
-        seen, deadline, before = {}, time.time() + timeout, self.drill["saved_before_preemption"]
+        deadline, before = time.time() + timeout, self.drill["saved_before_preemption"]
         while self.supervisor.poll() is None:
             if time.time() > deadline:
                 raise PhaseFailed(f"supervise.sh did not finish the run within {timeout:g} s:\n" + self.supervisor_log()[-2000:])
-            text = self.supervisor_log()
-            if "recover_start" not in seen and "recover.sh: delete (try 1" in text:
-                seen["recover_start"] = time.time()
-            if "train_started" not in seen and re.search(r"^recover\.sh: train [\d.]+ s$", text, re.MULTILINE):
-                seen["train_started"] = time.time()
-            if "first_new_step" not in seen and any(s > before for s in self.steps_saved(self.drill_dir)):
-                seen["first_new_step"] = time.time()
-            time.sleep(0.1)
+            time.sleep(0.5)
+        time.sleep(0.2)  # the watcher's last look
+        seen = dict(self.seen)
+        if ("step", before + 1) in seen:
+            seen["first_new_step"] = seen[("step", before + 1)]
         text, code = self.supervisor_log(), self.supervisor.returncode
         self.drill["supervisor_exit"] = code
         self.drill["supervisor_decisions"] = [line.split("] ", 1)[1] for line in text.splitlines()
@@ -356,6 +368,10 @@ class Pod:
                                                                                       or ": done" in line)]
         if code != 0:
             raise PhaseFailed(f"supervise.sh exited {code}:\n" + text[-2000:])
+        # The disks were wiped: setup made each worker's venv afresh (from uv's cache), not updated the old one.
+        made = len(re.findall(r"^\[worker \d+\] Creating virtual environment at: \.venv", text, re.MULTILINE))
+        if made != self.workers:
+            raise PhaseFailed(f"setup made {made} new venvs during the recovery, not {self.workers} (disks not wiped?)")
         rec = self.drill["recovery_s"]
         if "recover_start" in seen:
             rec["detect"] = round(seen["recover_start"] - self.t_preempted, 1)
@@ -380,7 +396,8 @@ class Pod:
             raise PhaseFailed(f"the newest checkpoint is step {last}, not the last iteration {ITERATIONS}")
         self.drill["iterations_redone"] = 1 if step == before else 0  # the one in flight when the slice went
         return (f"supervise.sh exit 0 after {len([d for d in self.drill['supervisor_decisions'] if 'recover ' in d])} "
-                f"recovery; resumed from step {step} (saved before: {before}), checkpoint {last}")
+                f"recovery (new venvs on {made} wiped workers); resumed from step {step} (saved before: {before}), "
+                f"checkpoint {last}")
 
     def compare(self):
         p = subprocess.run([sys.executable, "-c", COMPARE, os.path.join(self.ref_dir, "checkpoints"),
@@ -519,7 +536,7 @@ def main() -> None:
         result.update({"ok": ok if not drill else stop_ok and all(p["ok"] for p in pod.phases),
                        "what": "tpu_scripts on a simulated pod (tpu_scripts/standin/gcloud), not Cloud TPU",
                        "workers": args.workers, "accelerator": pod.env["ACCEL"], "pinned_to_local_venv": args.pin,
-                       "commit": commit, "date": date, "total_s": round(time.time() - t0, 1), **pod.facts,
+                       "commit": commit, "date": date, "total_s": round(sum(p["seconds"] for p in pod.phases), 1), **pod.facts,
                        "phases": pod.phases})
     if drill:
         pod.drill.setdefault("ok", False)
