@@ -48,8 +48,8 @@ def embedded_train_config(ode_rollouts: bool = False) -> ConfigDict:
     return cfg
 
 
-def sd35m_train_config(rewards=(("jpeg_compressibility", 1.0),), beta: float = 0.04, plan: str = "v5p-8",
-                       rewards_without_models=()) -> ConfigDict:
+def sd35m_train_config(rewards=(), beta: float = 0.04, plan: str = "v5p-8",
+                       rewards_without_models=(("jpeg_compressibility", 1.0),)) -> ConfigDict:
     """Flow-GRPO on SD3.5-Medium in the latent world, from flow_grpo's `config/grpo.py` SD3.5-M settings:
     512 px, groups of 24, 48 prompts per iteration (1,152 images) in 2 optimizer steps, 10 rollout steps
     (SDE noise level 0.7; steps 0-8 trained, upstream's timestep_fraction 0.99) and 40 eval steps, CFG 4.5,
@@ -65,7 +65,10 @@ def sd35m_train_config(rewards=(("jpeg_compressibility", 1.0),), beta: float = 0
     cfg.objective.grpo.update(clip_range=1e-4, beta=beta)
     cfg.eval.update(every=50, at_start=True, samples_per_prompt=1, batch_size=16, num_steps=40, cfg=4.5, shift=3.0,
                     learned_reward=False, noise_seed=1)
-    cfg.checkpoint.update(every=20, keep=3)
+    # a checkpoint after every iteration: a preemption loses at most the iteration in flight. The LoRA state's asynchronous
+    # save blocks the loop for its copy to host memory only (benchmarks/checkpoint_cost.py; docs/scale_out.md "Goodput")
+    cfg.checkpoint.update(every=1, keep=3)
+    cfg.diagnostics.image_change_every = 0  # its three extra unsharded CFG rollouts cost ~9% of a v5p-64 iteration
     return apply_memory_plan(cfg, plan)  # the mesh, the sharding of the frozen DiT, chunk sizes, remat
 
 
@@ -78,9 +81,10 @@ def sd35m_train_config(rewards=(("jpeg_compressibility", 1.0),), beta: float = 0
 # memory and traffic table of `benchmarks/memory_plan.py --traffic` (README "Memory plan").
 MEMORY_PLANS = {
     "v5p-8": dict(devices=4, memory_gb=95, rollout_chunk=32, microbatch=16, remat=True, frozen_dit="replicate"),
-    # 32 GB chips keep the frozen DiT FSDP'd: replicated (bf16) the v6e-8 peak is 25.5 GB instead of 17.4, the largest
-    # batch 110 prompts instead of 268; the v6e-64 rollout 37.3 GB, past the chip (benchmarks/results/memory_plan.json)
-    "v6e-8": dict(devices=8, memory_gb=32, rollout_chunk=16, microbatch=8, remat=True),
+    # frozen weights in bf16, the frozen DiT replicated: float32 and FSDP'd it is 36.2 TB all-gathered per chip per iteration
+    # (`memory_plan.py --traffic`), ~40 s of a 75 s iteration at v6e's ICI bandwidth; replicated in bf16 the peak is 25.5 GB
+    # of the 32 (the largest batch 110 prompts, 2.3x the preset's 48; benchmarks/results/memory_plan.json)
+    "v6e-8": dict(devices=8, memory_gb=32, rollout_chunk=16, microbatch=8, remat=True, param_dtype="bfloat16", frozen_dit="replicate"),
     # one H100 (an H200: 141 GB); frozen weights in bf16 (as flow_grpo loads them for LoRA): float32 they and their
     # bf16 copies leave no room for the 48-prompt batch (benchmarks/results/memory_plan.json, WORKSPACE_NOTES.md)
     "gpu": dict(devices=1, memory_gb=80, also_gb=(141,), rollout_chunk=8, microbatch=4, remat=True, param_dtype="bfloat16"),
@@ -89,7 +93,8 @@ MEMORY_PLANS = {
     # pods: 8 hosts x 4 chips; 36 rows per chip: 9 rows per chunk (4 chunks), 3 pairs per microbatch (54 per minibatch)
     "v5p-64": dict(devices=32, memory_gb=95, mesh=(("data", 8), ("fsdp", 4)), rollout_chunk=288, microbatch=96, remat=True,
                    frozen_dit="replicate"),
-    # 16 hosts x 4 chips; 18 rows per chip: 2 rows per chunk (9 chunks), 1 pair per microbatch (81 per minibatch)
+    # 16 hosts x 4 chips; 18 rows per chip: 2 rows per chunk (9 chunks), 1 pair per microbatch (81 per minibatch); the
+    # frozen DiT stays FSDP'd: replicated, the rollout needs 37.3 GB, past the chip (benchmarks/results/memory_plan.json)
     "v6e-64": dict(devices=64, memory_gb=32, mesh=(("data", 8), ("fsdp", 8)), rollout_chunk=128, microbatch=64, remat=True,
                    param_dtype="bfloat16", frozen_dit="fsdp"),
 }

@@ -3,7 +3,10 @@
 Dispatches on `config.job` to `<module>.run(config, workdir)`. Config mistakes (an unknown key, a
 missing required field, an unknown job) end the run with one line naming the key (exit 2). A reward server
 that fails ends it with one line naming the server and the checkpoint saved: exit 75 (EX_TEMPFAIL: rerun later) when it
-was unreachable or busy past the deadline or slow, 2 when the request or the server needs fixing first.
+was unreachable or busy past the deadline or slow, 2 when the request or the server needs fixing first. A train run
+stopped by a signal or a preemption notice saves and exits 75 too: the same command resumes it. Exit 0 is a run that
+ended (its last iteration, or its time budget): a supervisor (`tpu_scripts/supervise.sh`, a JobSet's restarts) restarts
+on 75 and on a crash, never on 0 or 2.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Python config file (g
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and samples.")
 
 
-EXIT_RERUN_LATER = 75  # sysexits.h EX_TEMPFAIL: a reward server was down; the same command resumes
+EXIT_RERUN_LATER = 75  # sysexits.h EX_TEMPFAIL: stopped by a signal, or a reward server was down; the same command resumes
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -109,11 +112,13 @@ def main(argv) -> None:
         except parallel.DistributedStartError as e:
             _fail(str(e))
         compiler.use_persistent_cache(config.get("compilation_cache", "auto"), _WORKDIR.value)
-        run_job(config, _WORKDIR.value)
+        result = run_job(config, _WORKDIR.value)
     except ConfigError as e:
         _fail(str(e))
     except RewardServerError as e:
         _fail(str(e), EXIT_RERUN_LATER if e.retryable else 2)
+    if isinstance(result, dict) and result.get("resumable"):  # a train run stopped before its end, its checkpoint saved
+        sys.exit(EXIT_RERUN_LATER)
 
 
 if __name__ == "__main__":

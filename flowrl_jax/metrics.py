@@ -3,14 +3,18 @@
     writer = MetricWriter(workdir)           # workdir/metrics.jsonl and TensorBoard events in workdir/tb
     writer.scalars(step, {"loss": 0.1})
     save_grid(images [N, H, W, 3] in [-1, 1], "samples.png", rows=4, labels=[...])
+
+Process 0 writes them, often to a bucket: each write is tried `WRITE_TRIES` times (`best_effort`), then dropped with a
+warning, so a transient 5xx costs a metrics row or a PNG, never the run.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import sys
 import time
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -23,6 +27,28 @@ def is_writer() -> bool:
     import jax
 
     return jax.process_index() == 0
+
+
+WRITE_TRIES = 3     # a bucket's transient errors (5xx, a reset connection) clear within seconds
+WRITE_BACKOFF_S = 1.0  # waits 1 s, then 4 s: at most ~5 s of an iteration lost to a failing bucket per write
+
+
+def best_effort(what: str, write: Callable[[], None], tries: int = WRITE_TRIES, backoff_s: float = WRITE_BACKOFF_S) -> bool:
+    """Run `write`, retried after backoff_s * 4^k; after `tries` failures print one warning naming `what` and the error,
+    and go on. -> whether it was written. For the run's outputs that a later write replaces or extends (metrics rows,
+    PNGs), not for checkpoints."""
+    for attempt in range(tries):
+        try:
+            write()
+            return True
+        except Exception as e:  # noqa: BLE001 - any failure of a store (OSError, a client library's own errors)
+            if attempt + 1 == tries:
+                error = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                print(f"flowrl_jax: warning: {what} failed {tries} times ({type(e).__name__}: {error}); the run goes on "
+                      "without it", file=sys.stderr, flush=True)
+                return False
+            time.sleep(backoff_s * 4**attempt)
+    return False
 
 
 class MetricWriter:
@@ -40,10 +66,11 @@ class MetricWriter:
         if self.tb is None:
             return
         values = {k: float(v) for k, v in values.items()}
-        paths.append_line(self.path, json.dumps({"step": int(step), "time": time.time(), **values}))
-        for k, v in values.items():
+        row = json.dumps({"step": int(step), "time": time.time(), **values})
+        best_effort(f"the metrics row of step {step} ({self.path})", lambda: paths.append_line(self.path, row))
+        for k, v in values.items():  # queued in memory; the flush writes them (retried alone: no scalar twice)
             self.tb.add_scalar(k, v, int(step))
-        self.tb.flush()
+        best_effort(f"the TensorBoard events of step {step}", self.tb.flush)
 
     def close(self) -> None:
         if self.tb is not None:
@@ -85,9 +112,12 @@ def save_grid(images, path: str, rows: int | None = None, labels: Sequence[str] 
             draw.text((x0 + 1, y0 + h * scale), str(labels[i])[: cell_w // 6], fill=(0, 0, 0))
     for r, title in enumerate(row_titles or []):
         draw.text((2, r * (cell_h + 2) + cell_h // 2 - 5), str(title)[:14], fill=(0, 0, 0))
-    paths.makedirs(os.path.dirname(paths.resolve(path)))
-    with paths.open_file(path, "wb") as f:
-        canvas.save(f, format="PNG")
+
+    def write():
+        paths.makedirs(os.path.dirname(paths.resolve(path)))
+        with paths.open_file(path, "wb") as f:
+            canvas.save(f, format="PNG")
+    best_effort(f"the image grid {path}", write)
     return path
 
 

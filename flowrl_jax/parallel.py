@@ -219,52 +219,39 @@ def on_tpu_vm(pci_root: str = "/sys/bus/pci/devices") -> bool:
     return False
 
 
-def _metadata(key: str, timeout_s: float = 5.0) -> str | None:
-    """A GCE instance attribute from the metadata server (JAX's `GCE_METADATA_IP` honoured), None if absent."""
-    import urllib.request
-
-    host = os.environ.get("GCE_METADATA_IP", "metadata.google.internal")
-    request = urllib.request.Request(f"http://{host}/computeMetadata/v1/instance/attributes/{key}", headers={"Metadata-Flavor": "Google"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return response.read().decode()
-    except OSError:
-        return None
-
-
 def tpu_workers() -> list[str]:
-    """The hosts of this TPU slice, in process order: the TPU runtime's environment where it sets one (GKE), else,
-    on a Cloud TPU VM, the metadata server's `worker-network-endpoints` (what JAX's own detection reads); [] elsewhere."""
+    """The hosts of this TPU slice, in process order, from the TPU runtime's environment where it sets one (GKE, the
+    simulated pod); [] elsewhere. On a Cloud TPU VM JAX's own detection finds them (`distributed_plan`)."""
     for var in TPU_WORKERS_ENV:
         if os.environ.get(var):
             return [h.strip() for h in os.environ[var].split(",") if h.strip()]
-    if not on_tpu_vm():
-        return []
-    endpoints = _metadata("worker-network-endpoints") or ""
-    return [w.split(":")[-1] for w in endpoints.split(",") if w.strip()]  # "name:id:ip" (old format) or a hostname
+    return []
 
 
 def distributed_plan(enabled: bool | str = "auto") -> dict | None:
     """The arguments of `jax.distributed.initialize` for this process, or None when it is a single process.
 
     - `JAX_COORDINATOR_ADDRESS` (+ `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`): by hand, any platform (CPU uses gloo).
-    - A multi-host TPU slice (more than one worker, `tpu_workers`): on a TPU VM no arguments, JAX's own detection
-      (metadata server or the runtime's environment); off one (CPU processes given a TPU runtime's environment:
-      the simulated pod, `tpu_scripts/standin/`) the values that detection derives from that environment:
-      the first worker, `JAX_COORDINATOR_PORT` (default 8482), the worker count and `TPU_WORKER_ID`.
+    - A Cloud TPU VM (`on_tpu_vm`), single host or pod slice: always, no arguments: JAX's own detection reads the
+      metadata server (with its own retries) or the runtime's environment (GKE). Always, because one missed metadata
+      read must not turn a pod's process into a lone one (it would fail later in orbax's barrier), and because JAX's
+      preemption service (SIGTERM, `preemption_noticed`) comes with the distributed client.
+    - Off a TPU VM, a TPU runtime's environment of more than one worker (`tpu_workers`: the simulated pod,
+      `tpu_scripts/standin/`): the values JAX's detection derives from it: the first worker, `JAX_COORDINATOR_PORT`
+      (default 8482), the worker count and `TPU_WORKER_ID`.
     - SLURM / Open MPI: no arguments, JAX's own detection.
-    A single-host TPU VM, a laptop or a GPU box: None. `enabled` True forces an initialize (JAX's detection with
-    whatever the environment gives), False never."""
+    A laptop or a GPU box: None. `enabled` True forces an initialize (JAX's detection with whatever the environment
+    gives), False never."""
     enabled = parse_switch(enabled)
     if enabled is False:
         return None
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
         return {name: int(os.environ[var]) for name, var in (("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID"))
                 if os.environ.get(var)}
+    if on_tpu_vm():
+        return {}
     workers = tpu_workers()
     if len(workers) > 1:
-        if on_tpu_vm():
-            return {}
         port = os.environ.get("JAX_COORDINATOR_PORT", DEFAULT_COORDINATOR_PORT)
         return {"coordinator_address": f"{workers[0]}:{port}", "num_processes": len(workers),
                 "process_id": int(os.environ.get("TPU_WORKER_ID", "0"))}
@@ -303,6 +290,23 @@ def maybe_initialize_distributed(enabled: bool | str = "auto", timeout_s: int = 
         raise DistributedStartError(f"{message} [{str(e).strip().splitlines()[0][:200]}]") from None
     finally:
         watchdog.cancel()
+
+
+def preemption_service_running() -> bool:
+    """Whether JAX's preemption service watches SIGTERM in this process (a distributed client with the service on)."""
+    return jax.distributed.is_initialized() and bool(jax.config.jax_enable_preemption_service)
+
+
+def preemption_noticed(count: int) -> bool:
+    """JAX's preemption sync point (`multihost_utils.reached_preemption_sync_point`, as MaxText watches it): True on every
+    process at the same call once any process got a preemption notice (SIGTERM). `count` is the calls' counter, the same
+    on every process and counted from this process's start (the service reports each process's last count and picks the
+    next as the sync point: a count from a resumed step would never meet it). False without the service."""
+    if not preemption_service_running():
+        return False
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.reached_preemption_sync_point(count))
 
 
 def local_rows(x: jax.Array) -> np.ndarray:

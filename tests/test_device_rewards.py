@@ -97,9 +97,13 @@ def test_device_reward_folders_are_checked_before_compiling(models, tmp_path):
     np.savez(tmp_path / "bad.npz", **{"layers.0.weight": np.zeros((3, 3))})
     with pytest.raises(ValueError, match=r"layers.0.weight \[out, 24\]"):
         device.read_aesthetic_mlp(str(tmp_path / "bad.npz"), PROJ)
-    config = load_config("configs/sd35m_pickscore.py")  # no PickScore folder: the preset falls back, and says so
+    with pytest.raises(ConfigError, match=r"reward_models\.pickscore.*allow_rewards_without_models=True"):  # no PickScore
+        plan_lib.train_rewards(load_config("configs/sd35m_pickscore.py"))  # folder: the pod preset refuses, naming both flags
+    config = load_config("configs/sd35m_pickscore.py", **{"train.allow_rewards_without_models": True})  # the demo, asked for
     used, warning = plan_lib.train_rewards(config)
     assert used == (("jpeg_compressibility", 1.0),) and "--config.world.reward_models.pickscore" in warning
+    with pytest.raises(ConfigError, match=r"train\.rewards is empty"):  # GenEval's preset names no reward of its own
+        plan_lib.train_rewards(load_config("configs/sd35m_geneval.py"))
     assert tuple(config.train.rewards) == (("pickscore", 1.0),)  # the config itself is left as it is
     config = load_config("configs/sd35m_pickscore.py", **{"world.reward_models.pickscore": folders["pickscore"]})
     assert plan_lib.train_rewards(config) == ((("pickscore", 1.0),), None)

@@ -105,3 +105,20 @@ def test_compilation_cache_setting_names_the_folder():
     assert compiler.cache_dir("auto", None) == os.path.expanduser(compiler.DEFAULT_CACHE)
     assert compiler.cache_dir("gs://bucket/cache", "/runs/a") == "gs://bucket/cache"
     assert compiler.cache_dir("none", "/runs/a") is None and compiler.cache_dir("", "/runs/a") is None
+
+
+@pytest.mark.parametrize("result, code", [({"stopped": "SIGTERM", "resumable": True}, 75), ({"stopped": "time_budget", "resumable": False}, None)])
+def test_a_run_stopped_before_its_end_exits_75_and_an_ended_one_0(monkeypatch, result, code):
+    """The supervisors' contract (tpu_scripts/supervise.sh, a JobSet's restarts): 75 = saved, rerun the same command."""
+    from types import SimpleNamespace
+
+    config = ConfigDict({"job": "train", "distributed": False, "compilation_cache": "none"})
+    monkeypatch.setattr(main, "_CONFIG", SimpleNamespace(value=config))
+    monkeypatch.setattr(main, "_WORKDIR", SimpleNamespace(value=None))
+    monkeypatch.setattr(main, "run_job", lambda config, workdir: result)
+    if code is None:
+        main.main(["flowrl_jax.main"])  # returns: exit status 0
+    else:
+        with pytest.raises(SystemExit) as stopped:
+            main.main(["flowrl_jax.main"])
+        assert stopped.value.code == code

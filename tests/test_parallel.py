@@ -145,11 +145,10 @@ def test_distributed_plan_multi_host_slices_only(monkeypatch):
     assert parallel.distributed_plan("auto") == {}  # on the TPU VM itself: JAX's own detection, no arguments
     assert parallel.distributed_plan("False") is None  # the switch off, as a command line spells it
     monkeypatch.delenv("TPU_WORKER_HOSTNAMES")
-    endpoints = {"worker-network-endpoints": "t1v-n-0:0:10.1.0.2,t1v-n-1:1:10.1.0.3"}  # the metadata server's old format
-    monkeypatch.setattr(parallel, "_metadata", lambda key, timeout_s=5.0: endpoints.get(key))
-    assert parallel.tpu_workers() == ["10.1.0.2", "10.1.0.3"] and parallel.distributed_plan("auto") == {}
-    endpoints["worker-network-endpoints"] = "t1v-n-0:0:10.1.0.2"
-    assert parallel.distributed_plan("auto") is None  # a single-host TPU VM
+    monkeypatch.delenv("TPU_WORKER_ID")
+    # no worker list at all (a single host, or a metadata read that would have missed): a TPU VM always initializes,
+    # so no process of a pod runs alone, and JAX's preemption service watches SIGTERM
+    assert parallel.tpu_workers() == [] and parallel.distributed_plan("auto") == {}
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1234")
     monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
     monkeypatch.setenv("JAX_PROCESS_ID", "1")

@@ -145,7 +145,8 @@ def _config(folder, prompts, **fields):
             "world.clip_max_length": CLIP_LEN, "world.t5_max_length": T5_LEN, "world.dtype": "float32",
             "sampler.num_steps": 3, "sampler.sde_window": (0, 2), "train.iterations": 2, "train.prompts_per_iteration": 2,
             "train.group_size": 4, "train.minibatches": 1, "train.lora_rank": 4, "eval.at_start": False, "eval.every": 0,
-            "eval.num_steps": 2, "eval.batch_size": 8, "checkpoint.every": 1}  # eval batch: a multiple of the 8 batch shards
+            "eval.num_steps": 2, "eval.batch_size": 8, "checkpoint.every": 1,
+            "train.allow_rewards_without_models": True}  # eval batch: a multiple of the 8 batch shards
     return load_config("configs/sd35m_pickscore.py", **{**tiny, **fields})
 
 

@@ -94,16 +94,23 @@ def _patched_reward(monkeypatch, on_call):
     monkeypatch.setitem(rewards.REWARDS, "shapes_score", lambda: reward)
 
 
-def test_sigterm_saves_a_checkpoint_and_stops(smoke_base, tmp_path, monkeypatch):
+def test_sigterm_skips_the_due_eval_saves_and_the_resumed_run_evaluates_that_step_first(smoke_base, tmp_path, monkeypatch):
     def on_call(n, r):
         if n == 2:
             os.kill(os.getpid(), signal.SIGTERM)
         return r
 
     _patched_reward(monkeypatch, on_call)
-    out = _run(smoke_base, tmp_path, **{"checkpoint.every": 100})
-    assert out["stopped"] == "SIGTERM" and out["step"] == 2
-    assert _state(str(tmp_path), 2) is not None  # a rerun resumes from it (test_resume_equals_uninterrupted_run)
+    # every_s: a save after every iteration by the wall-clock cadence alone (checkpoint.every=100 would save none)
+    out = _run(smoke_base, tmp_path, **{"checkpoint.every": 100, "checkpoint.every_s": 1e-9, "eval.every": 2})
+    assert out["stopped"] == "SIGTERM" and out["step"] == 2 and out["resumable"]  # main exits 75 (test_main)
+    assert out["evals"] == []  # step 2's eval was due, and skipped: the notice leaves seconds, not an eval's minutes
+    ckpt = checkpoint.Checkpointer(os.path.join(tmp_path, "checkpoints"))
+    assert ckpt.all_steps() == [1, 2]  # step 1 by every_s, step 2 by the signal
+    ckpt.close()
+    monkeypatch.undo()
+    resumed = _run(smoke_base, tmp_path, **{"checkpoint.every": 100, "eval.every": 2, "train.iterations": 2})  # no iteration left
+    assert [e["step"] for e in resumed["evals"]] == [2] and not resumed["resumable"]  # the skipped eval, first thing
 
 
 def test_time_budget_stops_once_reached_after_the_compiling_iteration_with_an_eval_and_a_checkpoint(smoke_base, tmp_path, capsys):

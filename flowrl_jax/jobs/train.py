@@ -16,9 +16,10 @@ run equals an uninterrupted one.
 
 The workdir gets `checkpoints/` (orbax, keep-N, resumed automatically), `metrics.jsonl` + TensorBoard
 events, the world's eval images (`eval_<step>.png`), `eval.json`, credit schemes' debug images and, at
-the end, `report.png` (reward and eval score against step and wall-clock). SIGTERM/SIGINT save a
-checkpoint before exiting; a non-finite reward or loss stops the run naming the step and the quantity,
-keeping the last good checkpoint.
+the end, `report.png` (reward and eval score against step and wall-clock). SIGTERM/SIGINT (or JAX's preemption
+notice) end the iteration in flight, skip its eval, save and exit 75 (`main`: rerun the same command); saves are
+asynchronous (orbax), every `checkpoint.every` iterations and/or `checkpoint.every_s` seconds. A non-finite reward or
+loss stops the run naming the step and the quantity, keeping the last good checkpoint.
 """
 from __future__ import annotations
 
@@ -53,15 +54,19 @@ def itstime(step: int, every: int, total: int, last: bool = False) -> bool:
 
 
 class StopSignal:
-    """SIGTERM/SIGINT set `requested` (the loop saves and exits at the end of the iteration, every process together:
-    `after_iteration`); a second signal while the first is pending ends the process at once, as if unhandled."""
+    """SIGINT, and SIGTERM where JAX's preemption service does not watch it, set `requested`: the loop finishes the
+    iteration, skips its eval, saves and exits, every process together (`after_iteration`); a second signal while the first
+    is pending ends the process at once, as if unhandled. In a multi-process run JAX's preemption service owns SIGTERM
+    (`jax.distributed.initialize` installs its notifier, the way a TPU maintenance event or GKE announces a preemption):
+    `parallel.preemption_noticed` reads it, and a Python handler here would silence it."""
 
-    def __init__(self):
+    def __init__(self, jax_owns_sigterm: bool = False):
+        self.signals = (signal.SIGINT,) if jax_owns_sigterm else (signal.SIGTERM, signal.SIGINT)
         self.requested = None
         self.previous = {}
 
     def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in self.signals:
             self.previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -105,6 +110,7 @@ class Job:
     start_step: int  # the iteration this process started (or resumed) at
     reader: Any = None  # the world's per-process prompt reader (its position is checkpointed), or None
     pool: Any = None    # the threads scoring rollout chunks while the next samples (train.score_while_sampling), or None
+    saved_at: float = dataclasses.field(default_factory=time.time)  # wall time of the last save (checkpoint.every_s)
 
     @property
     def config(self):
@@ -336,21 +342,27 @@ def log_iteration(job: Job, done: int, scored: dict, stats: dict, keep: np.ndarr
 
 
 def after_iteration(job: Job, state: TrainState, done: int, stop: StopSignal) -> str | None:
-    """Eval, checkpoint and the stop conditions after `done` iterations; -> why the run stops, or None. The stop
-    conditions of every process are agreed in one collective (`parallel.agree`): a signal to any one process, or any
-    process past the time budget, stops them all after the same iteration, each saving the same step."""
-    t_cfg, history = job.config.train, job.history
+    """Eval, checkpoint and the stop conditions after `done` iterations; -> why the run stops, or None. The conditions of
+    every process are agreed in one collective (`parallel.agree`): a signal to any one process or JAX's preemption notice
+    (`parallel.preemption_noticed`), any process past the time budget or past `checkpoint.every_s` since its last save
+    stop or save them all after the same iteration, each saving the same step. A signal skips the eval (the notice gives
+    seconds, an eval takes minutes; the resumed run evaluates that step first: `loop`)."""
+    t_cfg, history, c_cfg = job.config.train, job.history, job.config.checkpoint
+    preempted = parallel.preemption_noticed(done - job.start_step)  # every process's count of iterations run, the same
     agreed = parallel.agree({"signal": stop.requested is not None, "out_of_time": bool(t_cfg.time_budget_s) and
-                             history["wall_s"] - history["first_iteration_s"] >= t_cfg.time_budget_s})
+                             history["wall_s"] - history["first_iteration_s"] >= t_cfg.time_budget_s,
+                             "save_due": bool(c_cfg.get("every_s")) and time.time() - job.saved_at >= c_cfg.every_s})
     out_of_time = agreed["out_of_time"]
     signalled = (stop.requested or "a stop signal to another process") if agreed["signal"] else None
-    if itstime(done, job.config.eval.every, t_cfg.iterations, last=out_of_time):
+    signalled = signalled or ("a preemption notice (SIGTERM to a process of the run)" if preempted else None)
+    if not signalled and itstime(done, job.config.eval.every, t_cfg.iterations, last=out_of_time):
         run_eval(job, state, done)
-    if itstime(done, job.config.checkpoint.every, t_cfg.iterations, last=out_of_time or bool(signalled)):
+    if agreed["save_due"] or itstime(done, c_cfg.every, t_cfg.iterations, last=out_of_time or bool(signalled)):
         meta = {"step": done, "history": history}
         if job.reader is not None:
             meta["prompt_reader"] = job.reader.get_state()
-        job.ckpt.save(done, state, meta)
+        job.ckpt.save(done, state, meta)  # asynchronous: the loop goes on once the state is copied to host memory
+        job.saved_at = time.time()
     if signalled:
         tqdm.write(f"{signalled}: saved a checkpoint at step {done} in {job.ckpt.directory}; rerun the same command to resume")
         return signalled
@@ -391,18 +403,20 @@ def iteration(job: Job, state: TrainState, it: int) -> tuple[TrainState, dict]:
 def run(config, workdir: str | None) -> dict:
     if not workdir:
         raise ConfigError("the train job needs --workdir (checkpoints, metrics and samples go there)")
-    with StopSignal() as stop:  # from the start: a signal during loading or compiling stops after the first iteration
-        parallel.maybe_initialize_distributed(config.distributed, config.get("distributed_timeout_s", parallel.DISTRIBUTED_TIMEOUT_S))
-        job, state = setup(plan_lib.make_plan(config), workdir)
+    parallel.maybe_initialize_distributed(config.distributed, config.get("distributed_timeout_s", parallel.DISTRIBUTED_TIMEOUT_S))
+    with StopSignal(parallel.preemption_service_running()) as stop:  # a signal while loading or compiling stops after the
+        job, state = setup(plan_lib.make_plan(config), workdir)  # first iteration
         return loop(job, state, stop)
 
 
 def loop(job: Job, state: TrainState, stop: StopSignal) -> dict:
-    """The iterations from `job.start_step`, an eval first on a fresh run; -> `finish`'s result."""
+    """The iterations from `job.start_step`, an eval first on a fresh run and on a resumed one whose eval a stop skipped;
+    -> `finish`'s result."""
     config = job.config
     t_cfg, start = config.train, job.start_step
-    if start == 0 and config.eval.at_start and not job.history["evals"]:
-        run_eval(job, state, 0)
+    due = config.eval.at_start if start == 0 else itstime(start, config.eval.every, t_cfg.iterations)
+    if due and all(e["step"] != start for e in job.history["evals"]):
+        run_eval(job, state, start)
     bar = tqdm(range(start, t_cfg.iterations), initial=start, total=t_cfg.iterations, desc=config.objective.name, dynamic_ncols=True,
                disable=not metrics.is_writer())  # logs from process 0
     stopped = None
@@ -444,6 +458,7 @@ def finish(job: Job, state: TrainState, stopped: str | None) -> dict:
     """eval.json, report.png and the before/after table; -> the job's result."""
     history = job.history
     result = {"step": int(state.step), "evals": history["evals"], "stopped": stopped,
+              "resumable": stopped is not None and stopped != "time_budget",  # main exits 75: rerun the same command
               "wall_s": history["wall_s"], "first_iteration_s": history["first_iteration_s"]}
     if history["evals"] and metrics.is_writer():
         with paths.open_file(os.path.join(job.workdir, "eval.json"), "w") as f:

@@ -37,28 +37,35 @@ class Checked(NamedTuple):
 
 
 def train_rewards(config) -> tuple[tuple, str | None]:
-    """-> (the rewards the run trains on, a warning or None): `train.rewards`, or `train.rewards_without_models` when a
-    device reward there has no weights given (`world.reward_models`): a preset then runs its model-free demo instead
-    of failing, and says so."""
+    """-> (the rewards the run trains on, a warning or None): `train.rewards`, or `train.rewards_without_models` (a preset's
+    model-free demo) when a device reward there has no weights given (`world.reward_models`) or `train.rewards` is empty,
+    and only with `train.allow_rewards_without_models=True`: without it a ConfigError names the missing weights' flag and
+    the opt-in, so no pod run trains on the demo reward by accident."""
     weighted = tuple((str(n), float(w)) for n, w in config.train.rewards)
     models, fallback = config.world.get("reward_models"), tuple(config.train.get("rewards_without_models", ()))
     missing = [(n, rewards.device.FOLDER_OF[n]) for n, _ in weighted
                if n in rewards.device.FACTORIES and not (models or {}).get(rewards.device.FOLDER_OF[n])]
-    if not (missing and fallback):
+    if weighted and not (missing and fallback):
         return weighted, None
-    flags = ", ".join(f"--config.world.reward_models.{key}" for _, key in missing)
     used = tuple((str(n), float(w)) for n, w in fallback)
-    return used, (f"train.rewards {[n for n, _ in missing]} need their weights ({flags}), not given: training on "
-                  f"{[n for n, _ in used]} instead (train.rewards_without_models)")
+    flags = ", ".join(f"--config.world.reward_models.{key}" for _, key in missing)
+    need = (f"train.rewards {[n for n, _ in missing]} need their weights ({flags})" if weighted else
+            "train.rewards is empty: this preset needs its reward named (--config.train.rewards=\"(('NAME', 1.0),)\")")
+    if not used:
+        raise ConfigError(f"{need}; no train.rewards_without_models to use instead")
+    if not config.train.get("allow_rewards_without_models", False):
+        raise ConfigError(f"{need}; or pass --config.train.allow_rewards_without_models=True to train on the model-free "
+                          f"{[n for n, _ in used]} instead (a demo, not the preset's task)")
+    return used, f"{need}, not given: training on {[n for n, _ in used]} instead (train.allow_rewards_without_models)"
 
 
 def validate(config) -> Checked:
     """Every check of a train config that needs no device, file or model (module doc); ConfigError names the key."""
     s, t = config.sampler, config.train
-    weighted, warning = train_rewards(config)
     try:
         learning_rate(t)
         worlds.check(config)
+        weighted, warning = train_rewards(config)  # after the world's own fields (a preset first asks for its pipeline)
         objective = objectives.get(config.objective.name)
         options = objectives.resolve_options(config, patch_size=None)
         objective.check(options, s)

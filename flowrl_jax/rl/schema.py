@@ -30,7 +30,9 @@ def train_config() -> ConfigDict:
     cfg.train = dict(iterations=200, prompts_per_iteration=8, group_size=12, num_inner_epochs=1, minibatches=4,
                      lr=3e-4, lr_schedule="constant", weight_decay=1e-4, grad_clip=1.0, ema_decay=0.9, ema_every=1, lora_rank=0, lora_init="kaiming",
                      rewards=(("shapes_score", 1.0),), rewards_without_models=(),  # the rewards used instead, with a warning, when
-                     # a device reward of `rewards` has no weights given (world.reward_models): the presets' runnable demo; () = an error
+                     # a device reward of `rewards` has no weights given (world.reward_models) or `rewards` is (): a preset's model-free
+                     # demo, used only with allow_rewards_without_models=True (else an error naming the missing weights' flag)
+                     allow_rewards_without_models=False,
                      time_budget_s=0.0,  # stop after this much training wall time, not counting the first (compiling) iteration; 0 = none
                      rollout_chunk=0, microbatch=0,  # memory knobs (0 = off): rows sampled at a time, pairs per forward/backward (rl/programs.py)
                      score_while_sampling=False,  # True: each rollout chunk (train.rollout_chunk rows) is scored on a thread while the next samples
@@ -43,7 +45,9 @@ def train_config() -> ConfigDict:
     cfg.eval = dict(every=50, at_start=True, per_category=0, samples_per_prompt=1, batch_size=210, num_steps=20, cfg=3.0, shift=1.0,
                     learned_reward=False, noise_seed=1)  # learned_reward: also score the eval images with the shipped learned
     # reward; noise_seed: the eval's initial noise, the same for every run and seed (so evals of runs pair up)
-    cfg.checkpoint = dict(every=25, keep=3)
+    # every: iterations between saves; every_s: seconds of wall time between saves (0: off), agreed by every process at the
+    # end of an iteration, beside `every`. Saves are asynchronous (orbax): the loop waits only for the copy to host memory.
+    cfg.checkpoint = dict(every=25, every_s=0.0, keep=3)
     # image_change: every this many iterations (0: never), how far the iteration's update moved the final latents of
     # the first `image_change_samples` rows at the same noise, split into trained and untrained steps (rl/programs.py make_image_change_fn)
     cfg.diagnostics = dict(image_change_every=4, image_change_samples=16)
