@@ -1,5 +1,5 @@
 """The memory plan of Flow-GRPO on SD3.5-Medium (`configs/sd35m_*.py`): per-device memory of the train job's
-compiled rollout, decode and update on a simulated mesh of each target, from abstract params (no weights), a hand
+compiled rollout, decode, update and eval (`SD3World.eval_sampler`: one eval batch, sampled and decoded) on a simulated mesh of each target, from abstract params (no weights), a hand
 estimate beside it, and the largest number of prompts per iteration (groups of 24) that fits.
 
     python benchmarks/memory_plan.py [--targets v5p-8,v6e-8,gpu,v5p-64,v6e-64] [--out benchmarks/results/memory_plan.json]
@@ -176,9 +176,13 @@ def build_job(config, devices, components: dict = SD35_MEDIUM) -> SimpleNamespac
     index = lambda dtype: jax.ShapeDtypeStruct((pairs,), dtype, sharding=rep)  # noqa: E731
     update_fn = jax.jit(make_update_fn(policy, objective, options, optimizer, config, reward_apply, data_sh),
                         out_shardings=(state_sh, None), donate_argnums=0)
+    rows = config.eval.batch_size  # the eval: the EMA policy merged into a DiT shaped (and sharded) as the frozen one
+    eval_params = {"dit": frozen_abs["dit"], "text": frozen_abs["text"], "vae": frozen_abs["vae"]}
+    eval_args = (eval_params, jax.ShapeDtypeStruct((rows, ids.shape[1]), jnp.int32, sharding=data_sh),
+                 jax.ShapeDtypeStruct(world.latent_shape(rows), jnp.float32, sharding=data_sh))
     return SimpleNamespace(
         config=config, mesh=mesh, model=pipe.dit, batch=batch, pairs=pairs, slots=slots, rollout=rollout_fn, decode=jax.jit(world.decode_rows),
-        update=update_fn, frozen=frozen_abs, state=state_abs, data=data,
+        update=update_fn, eval=world.eval_sampler(), eval_args=eval_args, frozen=frozen_abs, state=state_abs, data=data,
         rollout_args=(state_abs.params, frozen_abs, ids, mask, key, levels), decode_args=(frozen_abs["vae"], final),
         update_args=(state_abs, frozen_abs, data, index(jnp.int32), index(jnp.int32), index(jnp.float32)),
         init_frozen=jax.jit(init_frozen, out_shardings=frozen_sh), init_state=jax.jit(init_state, out_shardings=state_sh),
@@ -192,14 +196,17 @@ def compile_phases(target: str, prompts: int, float32: bool = False, method: str
     if float32:
         config.world.update(dtype="float32", param_dtype="float32")
     job = build_job(config, jax.devices()[: plan["devices"]])
-    rollout, decode, update = (getattr(job, n).lower(*getattr(job, n + "_args")).compile() for n in ("rollout", "decode", "update"))
+    names = ("rollout", "decode", "update", "eval")
+    compiled = {n: getattr(job, n).lower(*getattr(job, n + "_args")).compile() for n in names}
     frozen_abs, state_abs, data, batch, pairs = job.frozen, job.state, job.data, job.batch, job.pairs
     live = _device_bytes(frozen_abs) + _device_bytes(state_abs)  # alive the whole run
     stored = _device_bytes(data)  # the iteration's rollout, alive from the rollout to the update's end
-    phases = {name: _analysis(c) for name, c in (("rollout", rollout), ("decode", decode), ("update", update))}
+    phases = {name: _analysis(compiled[name]) for name in names}
     phases["rollout"]["peak"] = live + phases["rollout"]["temp"] + phases["rollout"]["outputs"]  # its outputs are `stored`
     for name in ("decode", "update"):
         phases[name]["peak"] = live + stored + phases[name]["temp"] + phases[name]["outputs"]
+    # the eval runs between iterations (no stored rollout) on the merged DiT, a second DiT beside the frozen one
+    phases["eval"]["peak"] = live + _device_bytes(frozen_abs["dit"]) + phases["eval"]["temp"] + phases["eval"]["outputs"]
     return {"prompts": prompts, "batch": batch, "minibatch_pairs": pairs, "phases": phases, "live": live, "stored": stored,
             "peak": max(p["peak"] for p in phases.values()),
             "params": job.sizes,
@@ -245,6 +252,8 @@ def largest_prompts(low: dict, memory_gb: float, chunk: int, group: int) -> int:
     linearly; the temp buffers are one chunk's or microbatch's (measured: the same at 48 and 96 prompts)."""
     n = None
     for name, phase in low["phases"].items():
+        if name == "eval":  # between iterations, no rows of the train batch: it does not grow with the prompts
+            continue
         grows = low["stored"] + (phase["outputs"] if name == "decode" else 0)
         fixed = phase["peak"] - grows
         fits = int((HEADROOM * memory_gb * GB - fixed) // (grows / low["prompts"]))
@@ -401,13 +410,13 @@ def main() -> None:
             json.dump(results, f, indent=2)
     print(f"per-device GB, Flow-GRPO on SD3.5-M at {base.prompts_per_iteration} prompts x {base.group_size}: XLA:CPU's compiled peak, "
           "the bf16 bound (float32 temp in place of XLA:CPU's bf16 temp), the hand estimate; largest prompts by the bound")
-    print(f"{'target':8s} {'dev':>3s} {'weights+state':>13s} {'stored':>7s} {'rollout':>8s} {'decode':>7s} {'update':>7s} "
+    print(f"{'target':8s} {'dev':>3s} {'weights+state':>13s} {'stored':>7s} {'rollout':>8s} {'decode':>7s} {'update':>7s} {'eval':>6s} "
           f"{'XLA:CPU':>8s} {'bound':>6s} {'hand':>5s} {'memory':>7s} {'GB/prompt':>9s}  largest prompts x 24")
     for target, r in results.items():
         low, ph = r["low"], r["native_bf16"]["phases"]
         fits = ", ".join(f"{n} ({gb} GB)" for gb, n in r["largest_prompts"].items())
         print(f"{target:8s} {r['plan']['devices']:3d} {low['live'] / GB:13.1f} {low['stored'] / GB:7.2f} {ph['rollout']['peak'] / GB:8.1f} "
-              f"{ph['decode']['peak'] / GB:7.1f} {ph['update']['peak'] / GB:7.1f} {low['peak'] / GB:8.1f} {r['native_bf16']['peak'] / GB:6.1f} "
+              f"{ph['decode']['peak'] / GB:7.1f} {ph['update']['peak'] / GB:7.1f} {ph.get('eval', {}).get('peak', float('nan')) / GB:6.1f} {low['peak'] / GB:8.1f} {r['native_bf16']['peak'] / GB:6.1f} "
               f"{r['hand']['peak'] / GB:5.1f} {r['plan']['memory_gb']:7d} {r['bytes_per_prompt'] / GB:9.3f}  {fits}")
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)

@@ -234,3 +234,26 @@ def test_report_draws_each_world_s_own_eval_curves(tmp_path):
     drawn = metrics.plot_report(str(tmp_path), str(tmp_path / "report.png"), SD3World.eval_curves)
     assert drawn == {"train reward (mean)": 3, "eval reward (test prompts)": 2} and os.path.isfile(tmp_path / "report.png")
     assert metrics.plot_report(str(tmp_path), str(tmp_path / "shapes.png"), ShapesWorld.eval_curves) == {"train reward (mean)": 3}
+
+
+def test_a_failing_metrics_write_is_retried_then_dropped_with_a_warning_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    from flowrl_jax import metrics, paths
+
+    writer, calls, real = metrics.MetricWriter(str(tmp_path)), [], paths.append_line
+
+    def flaky(path, line):  # a bucket's transient 5xx twice, then the write goes through
+        calls.append(line)
+        if len(calls) <= 2:
+            raise OSError("503 Service Unavailable")
+        real(path, line)
+
+    monkeypatch.setattr(metrics, "WRITE_BACKOFF_S", 0.0)
+    monkeypatch.setattr(paths, "append_line", flaky)
+    writer.scalars(1, {"loss": 0.5})
+    assert len(calls) == 3 and [r["loss"] for r in metrics.read_metrics(str(tmp_path))] == [0.5]
+    monkeypatch.setattr(paths, "append_line", lambda path, line: (_ for _ in ()).throw(OSError("503 Service Unavailable")))
+    writer.scalars(2, {"loss": 0.25})  # every try fails: no exception, one warning naming the row and the error
+    writer.close()
+    assert [r["step"] for r in metrics.read_metrics(str(tmp_path))] == [1]
+    err = capsys.readouterr().err
+    assert "the metrics row of step 2" in err and "failed 3 times (OSError: 503 Service Unavailable)" in err

@@ -226,8 +226,13 @@ class SD3World:
         return ids, self._noise(key)
 
     def eval_batch(self, params: dict, ids, noise) -> jax.Array:
-        """Images [B, H, W, 3] of one eval batch: the ODE sampler (CFG `eval.cfg`, `eval.num_steps` at `eval.shift`) and the
-        VAE decode (in `facts.decode_chunk` row chunks), every device on its own rows; the images stay batch-sharded."""
+        """Images [B, H, W, 3] of one eval batch (`eval_sampler`); they stay batch-sharded."""
+        return self.eval_sampler()(params, ids, noise)
+
+    def eval_sampler(self):
+        """The jitted eval program, `(params {"dit", "text", "vae"}, ids [B, L], noise [B, h, w, C]) -> images`: the ODE
+        sampler (CFG `eval.cfg`, `eval.num_steps` at `eval.shift`) and the VAE decode (in `facts.decode_chunk` row chunks),
+        every device on its own rows (`benchmarks/memory_plan.py` compiles it per memory plan)."""
         if self._sampler is None:
             e = self.eval_cfg
 
@@ -237,7 +242,7 @@ class SD3World:
                 return self.decode_rows(p["vae"], parallel.constrain_rows(latents, self._rows, ids.shape[0]))
 
             self._sampler = jax.jit(sample, out_shardings=self._rows)
-        return self._sampler(params, ids, noise)
+        return self._sampler
 
     def evaluate(self, dit_params, frozen, step: int, workdir: str) -> Evaluation:
         """The train rewards of ODE samples on the test prompts, sharded over the mesh's batch axes (`eval_batch`); each
