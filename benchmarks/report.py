@@ -146,6 +146,11 @@ def f3(x: float) -> str:
     return f"{x:.3f}"
 
 
+def pct(x: float) -> str:
+    """0.9437 -> '94.4%'."""
+    return f"{100 * x:.1f}%"
+
+
 def sig3(x: float) -> str:
     """Three significant digits, trailing zeros dropped: 0.014031 -> '0.014', 61.349 -> '61.3'."""
     if x == 0:
@@ -576,13 +581,15 @@ def render_memory_plan(src: Source) -> str:
         rows.append([name, f"{plan['devices']} x {memory}", f"{data} x {fsdp}",
                      f"{plan['rollout_chunk']} / {plan['microbatch']}, {dtype}, {frozen}", f1(nb["live"] / GB), f1(nb["stored"] / GB),
                      f1(ph["rollout"]["peak"] / GB), f1(ph["decode"]["peak"] / GB), f1(ph["update"]["peak"] / GB),
+                     f1(ph["eval"]["peak"] / GB) if "eval" in ph else "not measured",
                      f"{bold(f1(nb['peak'] / GB))} ({f1(lo['peak'] / GB)})", f1(p["hand"]["peak"] / GB), _largest(p)])
     any_plan = next(iter(src.data.values()))["low"]
     group = any_plan["batch"] // any_plan["prompts"]
     header = ["plan", "devices x memory", "mesh (data x fsdp)", "knobs: chunk / microbatch (global), weights, frozen DiT",
-              "weights + state", "stored rollout", "rollout", "decode", "update", "peak: bound (XLA:CPU)", "hand",
+              "weights + state", "stored rollout", "rollout", "decode", "update", "eval", "peak: bound (XLA:CPU)", "hand",
               f"largest prompts x {group}"]
-    note = f"GB per device at {any_plan['prompts']} prompts x {group} images."
+    note = (f"GB per device at {any_plan['prompts']} prompts x {group} images; the eval: one batch of the preset's "
+            "`eval.batch_size` rows (sampled and decoded, sharded over every device) beside the merged DiT.")
     return "\n\n".join([table(header, rows), note, provenance(src, "python benchmarks/memory_plan.py", machine())])
 
 
@@ -640,6 +647,43 @@ def render_simulated_pod(src: Source) -> str:
                         provenance(src, "python benchmarks/simulated_pod.py", machine(), d["date"][:10])])
 
 
+def render_preemption_drill(src: Source) -> str:
+    d = src.data["preemption_drill"]
+    rows = [[p["phase"], f1(p["seconds"]), "yes" if p["ok"] else "**no**", p.get("note", "")] for p in d["phases"]]
+    recovery = ", ".join(f"{k.replace('_', ' ')} {f1(v)} s" for k, v in d["recovery_s"].items())
+    note = (f"{d['what']}; {d['workers']} workers, {d['iterations']} iterations, commit {d['commit']}. Recovery by phase: "
+            f"{recovery}.")
+    return "\n\n".join([table(["phase", "s", "ok", "what it checked"], rows), note,
+                        provenance(src, "python benchmarks/simulated_pod.py --scenario preempt", machine(), d["date"][:10])])
+
+
+def render_goodput(src: Source) -> str:
+    d = src.data
+    rows = []
+    for name, p in d["plans"].items():
+        s = p["shares"]
+        goodput = pct(p["goodput"]) if p["goodput"] >= 0.9 else bold(pct(p["goodput"]))
+        rows.append([name, f"{p['chips']} x {p['chip']}", f1(p["iteration_s"]), n0(p["eval_s"]), f1(p["total_h"]), goodput,
+                     pct(s["load_compile"]), pct(s["eval"]), pct(s["checkpoint"]), pct(s["preemptions"]),
+                     f"{p['checkpoint_every']} ({pct(p['checkpoint_share_of_iteration'])})", n0(p["per_preemption_s"])])
+    header = ["plan", "chips", "iteration, s", "one eval, s", "run, h", "training", "load + compile", "evals", "checkpoints",
+              "preemptions", "save every (its block / iteration)", "a preemption costs, s"]
+    a = d["assumed"]
+    note = (f"Shares of the run's wall time, `configs/sd35m_pickscore.py` (1,000 iterations, {d['test_prompts']:,} test prompts "
+            f"at every eval) at {d['mfu']:.0%} MFU and {d['preemptions_per_day']:g} preemption per day. Measured: FLOPs "
+            f"(throughput_on_paper.json) and a save's blocking part ({f3(d['checkpoint_blocking_s'])} s, checkpoint_cost.json). "
+            f"Assumed, never measured on a TPU: loading {a['load_s']} s, compiling {a['compile_first_s']} s "
+            f"({a['compile_cached_s']} s from the cache), recovery " + ", ".join(f"{k} {v} s" for k, v in a["recovery_s"].items()) + ".")
+    return "\n\n".join([table(header, rows), note, provenance(src, "python benchmarks/goodput_on_paper.py", "on paper")])
+
+
+def render_checkpoint_cost(src: Source) -> str:
+    d = src.data
+    rows = [[f2(d["state_bytes"] / GB), f3(d["blocking_s"]), f3(d["written_s"]), str(d["repeats"])]]
+    return "\n\n".join([table(["LoRA train state, GB", "save blocks the loop, s", "written after, s", "saves (median)"], rows),
+                        provenance(src, "python benchmarks/checkpoint_cost.py", machine(d.get("env")), d["env"]["date"])])
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # The registry, rendering and checking
 
@@ -671,6 +715,9 @@ REPORTS = {  # block name -> (results file or folder, relative to the repository
     "frozen_dit_traffic": (R + "frozen_dit_traffic.json", render_frozen_dit_traffic),
     "attention_memory": (R + "attention_memory.json", render_attention_memory),
     "simulated_pod": (R + "simulated_pod.json", render_simulated_pod),
+    "preemption_drill": (R + "simulated_pod.json", render_preemption_drill),
+    "goodput": (R + "goodput_on_paper.json", render_goodput),
+    "checkpoint_cost": (R + "checkpoint_cost.json", render_checkpoint_cost),
 }
 
 
