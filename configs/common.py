@@ -81,9 +81,9 @@ def sd35m_train_config(rewards=(), beta: float = 0.04, plan: str = "v5p-8",
 # memory and traffic table of `benchmarks/memory_plan.py --traffic` (README "Memory plan").
 MEMORY_PLANS = {
     "v5p-8": dict(devices=4, memory_gb=95, rollout_chunk=32, microbatch=16, remat=True, frozen_dit="replicate"),
-    # frozen weights in bf16, the frozen DiT replicated: float32 and FSDP'd it is 36.2 TB all-gathered per chip per iteration
-    # (`memory_plan.py --traffic`), ~40 s of a 75 s iteration at v6e's ICI bandwidth; replicated in bf16 the peak is 25.5 GB
-    # of the 32 (the largest batch 110 prompts, 2.3x the preset's 48; benchmarks/results/memory_plan.json)
+    # frozen weights in bf16, the frozen DiT replicated: FSDP'd it is 36.2 TB all-gathered per chip per iteration in float32,
+    # 18.1 TB in bf16 (`memory_plan.py --traffic`), against a 75 s iteration on paper; replicated in bf16 the peak is 22.6 GB
+    # of the 32 (the eval's; the largest batch 200 prompts, 4x the preset's 48; benchmarks/results/memory_plan.json)
     "v6e-8": dict(devices=8, memory_gb=32, rollout_chunk=16, microbatch=8, remat=True, param_dtype="bfloat16", frozen_dit="replicate"),
     # one H100 (an H200: 141 GB); frozen weights in bf16 (as flow_grpo loads them for LoRA): float32 they and their
     # bf16 copies leave no room for the 48-prompt batch (benchmarks/results/memory_plan.json, WORKSPACE_NOTES.md)
@@ -95,15 +95,18 @@ MEMORY_PLANS = {
                    frozen_dit="replicate"),
     # 16 hosts x 4 chips; 18 rows per chip: 2 rows per chunk (9 chunks), 1 pair per microbatch (81 per minibatch); the
     # frozen DiT stays FSDP'd: replicated, the rollout needs 37.3 GB, past the chip (benchmarks/results/memory_plan.json)
+    # A save every 5 iterations: its blocking part is 4.5% of this plan's 9.4 s iteration on paper, over the 2% that
+    # every iteration is worth (benchmarks/checkpoint_cost.py, goodput_on_paper.py); a preemption loses <= 5 (~47 s)
     "v6e-64": dict(devices=64, memory_gb=32, mesh=(("data", 8), ("fsdp", 8)), rollout_chunk=128, microbatch=64, remat=True,
-                   param_dtype="bfloat16", frozen_dit="fsdp"),
+                   param_dtype="bfloat16", frozen_dit="fsdp", checkpoint_every=5),
 }
 SD35M_RULES = ((r"(kernel|embedding)$", "fsdp"), (r".*", "replicate"))  # the DiT, CLIPs and T5-XXL sharded
 FROZEN_DIT_RULES = {"fsdp": (), "replicate": ((r"^dit/", "replicate"),)}  # "dit/..." is the frozen tree's DiT only
 
 
 def apply_memory_plan(config: ConfigDict, target: str) -> ConfigDict:
-    """Set `config`'s memory knobs to `MEMORY_PLANS[target]` (mesh, partition rules, chunk sizes, remat, dtype)."""
+    """Set `config`'s memory knobs to `MEMORY_PLANS[target]` (mesh, partition rules, chunk sizes, remat, dtype) and its
+    checkpoint cadence where the plan has one."""
     if target not in MEMORY_PLANS:
         raise ConfigError(f"unknown memory plan {target!r}: choose one of {', '.join(MEMORY_PLANS)} (configs/sd35m_*.py:<plan>)")
     plan = MEMORY_PLANS[target]
@@ -114,4 +117,5 @@ def apply_memory_plan(config: ConfigDict, target: str) -> ConfigDict:
     # eval is split over the batch axes, which span every device in these meshes): 16 -> 32 on v5p-64, 64 on v6e-64
     config.world.remat = plan["remat"]
     config.world.param_dtype = plan.get("param_dtype", "float32")  # the frozen weights' (LoRA adapters stay float32)
+    config.checkpoint.every = plan.get("checkpoint_every", config.checkpoint.every)
     return config
