@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Bring back a slice that was preempted or lost and resume its run: delete, create, stage, setup, train.
 #   TPU_NAME=flowrl ZONE=us-east5-a ACCEL=v5p-8 CREATE_FLAGS=--spot \
-#   STAGE_SOURCES="gs://bucket/models/sd35m gs://bucket/prompts/geneval" \
-#   CONFIG=configs/sd35m_geneval.py:v5p-8 WORKDIR=gs://bucket/runs/geneval \
-#   bash tpu_scripts/recover.sh --config.world.pipeline=../data/sd35m --config.world.train_prompts=../data/geneval
+#   STAGE_SOURCES="gs://bucket/models/sd35m gs://bucket/prompts/pickscore" \
+#   CONFIG=configs/sd35m_pickscore.py:v5p-8 WORKDIR=gs://bucket/runs/pickscore \
+#   bash tpu_scripts/recover.sh --config.world.pipeline=../data/sd35m --config.world.train_prompts=../data/pickscore
 # Why not train.sh again: a preempted spot/preemptible TPU cannot be restarted, and its VMs' disks (venv, code,
 # staged data) are gone; create then fails with ALREADY_EXISTS until the old one is deleted. The run itself lives in
 # WORKDIR (a bucket) and resumes from its newest checkpoint.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Put the data a job reads (the diffusers pipeline folder, prompt datasets) on every worker's local disk.
-#   TPU_NAME=flowrl ZONE=us-east5-a bash tpu_scripts/stage.sh gs://bucket/models/sd35m gs://bucket/prompts/geneval
-#   TPU_NAME=flowrl ZONE=us-east5-a bash tpu_scripts/stage.sh ./data/geneval          (a local folder)
+#   TPU_NAME=flowrl ZONE=us-east5-a bash tpu_scripts/stage.sh gs://bucket/models/sd35m gs://bucket/prompts/pickscore
+#   TPU_NAME=flowrl ZONE=us-east5-a bash tpu_scripts/stage.sh ./data/pickscore          (a local folder)
 # Each SOURCE lands in ~/$STAGE_DIR/<its last path component> on every worker (STAGE_DIR default "data", relative to
 # the home folder): gs://bucket/models/sd35m -> ~/data/sd35m. A gs:// source is copied by every worker itself, in
 # parallel (`gcloud storage rsync --recursive` over ssh: the VM's service account needs read access; running it again

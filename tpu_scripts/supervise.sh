@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Keep a run going without a person: watch the slice and the train job, recover or relaunch, stop when it is done.
-#   TPU_NAME=flowrl ZONE=us-east5-a ACCEL=v5p-8 CREATE_FLAGS=--spot STAGE_SOURCES="gs://b/models/sd35m gs://b/prompts/geneval" \
-#   CONFIG=configs/sd35m_geneval.py:v5p-8 WORKDIR=gs://bucket/runs/geneval \
+#   TPU_NAME=flowrl ZONE=us-east5-a ACCEL=v5p-8 CREATE_FLAGS=--spot STAGE_SOURCES="gs://b/models/sd35m gs://b/prompts/pickscore" \
+#   CONFIG=configs/sd35m_pickscore.py:v5p-8 WORKDIR=gs://bucket/runs/pickscore \
 #   nohup bash tpu_scripts/supervise.sh --config.world.pipeline=../data/sd35m ... > supervise.log 2>&1 &
 # Runs on the machine that launched the run (in the foreground or under nohup), with the variables and job flags of
 # recover.sh (which it runs; they are train.sh's and create.sh's too). Every POLL seconds (default 60) it reads the

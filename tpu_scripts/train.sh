@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start (or resume) the train job on every worker of a TPU VM / pod slice, in the background, workdir on a bucket.
-#   TPU_NAME=flowrl ZONE=us-east5-a CONFIG=configs/sd35m_geneval.py:v5p-8 WORKDIR=gs://bucket/runs/geneval \
-#   bash tpu_scripts/train.sh --config.world.pipeline=../data/sd35m --config.world.train_prompts=../data/geneval
+#   TPU_NAME=flowrl ZONE=us-east5-a CONFIG=configs/sd35m_pickscore.py:v5p-8 WORKDIR=gs://bucket/runs/pickscore \
+#   bash tpu_scripts/train.sh --config.world.pipeline=../data/sd35m --config.world.train_prompts=../data/pickscore
 # Flags for the job: the arguments after the script's own (they keep the local shell's quoting, so
 # --config.mesh="(('data',-1),('fsdp',8))" arrives as one argument), and/or EXTRA, which is split on whitespace only
 # (quotes inside EXTRA are not removed: EXTRA="--config.mesh=(('data',-1),('fsdp',8))" works, a value with a space
