@@ -162,6 +162,28 @@ class Checkpointer:
                                   "move the damaged step folders away to start afresh")
         return None, None, []
 
+    def restore_fields(self, step: int, fields: tuple[str, ...]) -> tuple[dict, dict]:
+        """({field: that subtree of the saved state as host numpy arrays}, meta) of `step`, the other fields not read and
+        no array placed on a device: what an export or a sample job needs from a train state (`rl/trained.py`)."""
+        if step not in self.manager.all_steps():
+            raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; have {self.all_steps()}")
+        reason = self.damage(step)
+        if reason is not None:
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} is damaged ({reason})")
+        path = os.path.join(str(self.directory), str(step), "state")
+        with ocp.PyTreeCheckpointer() as reader:
+            saved = reader.metadata(path).item_metadata
+            tree = saved.tree if hasattr(saved, "tree") else saved
+            missing = [f for f in fields if f not in tree]
+            if missing:
+                raise CheckpointError(f"checkpoint step {step} in {self.directory} has no {missing} (it has {sorted(tree)})")
+            item = {f: jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree[f]) for f in fields}
+            restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+            out = reader.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
+        with paths.open_file(os.path.join(str(self.directory), str(step), "meta", "metadata")) as f:
+            meta = json.load(f)
+        return {f: out[f] for f in fields}, meta
+
     def _set_aside(self, step: int) -> str:
         """Rename a damaged step folder to `<step>.damaged` (`-2`, `-3`, ... if taken); its new path (process 0)."""
         folder = os.path.join(self.directory, str(step))

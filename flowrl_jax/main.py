@@ -25,9 +25,13 @@ JOBS = {
     "inspect": ("flowrl_jax.jobs.inspect", ("model", "mesh", "seed", "inspect.batch_size", "inspect.text_len")),
     "pretrain": ("flowrl_jax.jobs.pretrain", ("model", "text", "mesh", "seed", "pretrain.steps", "pretrain.batch_size")),
     "train_reward": ("flowrl_jax.jobs.train_reward", ("seed", "reward.base", "reward.steps")),
-    "export": ("flowrl_jax.jobs.export", ("seed", "export.workdir", "export.name")),
+    "export_asset": ("flowrl_jax.jobs.export_asset", ("seed", "export.workdir", "export.name")),
     "train": ("flowrl_jax.jobs.train", ("seed", "world.name", "sampler.kind", "train.iterations", "objective.name")),
-    "eval": ("flowrl_jax.jobs.evaluate", ("seed", "eval.checkpoint", "eval.split", "eval.num_steps")),
+    "eval_base": ("flowrl_jax.jobs.eval_base", ("seed", "eval.checkpoint", "eval.split", "eval.num_steps")),
+    # after training: a train config (the run's) with --config.job=<one of these> and the run's --workdir (rl/trained.py)
+    "sample": ("flowrl_jax.jobs.sample", ("seed", "world.name", "policy.step", "sample.num_steps", "eval.num_steps")),
+    "evaluate": ("flowrl_jax.jobs.evaluate", ("seed", "world.name", "policy.step", "eval.num_steps", "eval.samples_per_prompt")),
+    "export": ("flowrl_jax.jobs.export", ("seed", "world.name", "policy.step", "export.formats", "train.lora_rank")),
 }
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Python config file (get_config), optionally :variant.", lock_config=True)

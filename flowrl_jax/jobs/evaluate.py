@@ -1,10 +1,16 @@
-"""The `eval` job: the GenEval-style table of a shapes-world checkpoint on a prompt split.
+"""The `evaluate` job: a train run's policy (or its base, or a LoRA trained elsewhere) on a prompt set, scored as the
+train loop's eval scores it.
 
-    python -m flowrl_jax.main --config configs/eval_shapes.py --config.eval.checkpoint=shapes32
+    python -m flowrl_jax.main --config configs/<the run's config>.py --config.job=evaluate --workdir <the run's workdir> \\
+        --config.evaluate.prompts=geneval_metadata.jsonl      # "" = the run's own test prompts (config.world.test_prompts)
 
-Loads a shipped asset or a pretrain workdir (`worlds/shapes/assets.py`), samples the split's prompts with the
-ODE sampler (CFG) and prints the table (`worlds/shapes/geneval.py`); process 0 writes `eval.json` and
-`eval_grid.png` to the workdir (`workdirs/eval` when none is given).
+Which weights: `config.policy` (`rl/trained.py`). The prompts replace the world's test set (`world.test_prompts`: a
+JSONL, a text file or an ArrayRecord dataset for the sd3 world; the shapes world's own JSONL or dataset), and the eval is
+the world's own `evaluate`, the function the train loop calls: the same sampler settings (`config.eval`: samples per
+prompt, steps, CFG, shift, noise seed), the run's rewards (`train.rewards`, on the device, the host or a reward server),
+sharded over the mesh's batch axes, per category where the prompt rows carry one ("tag", GenEval's metadata, or
+"category"). Process 0 prints the table and writes `<out>/evaluate.json` (the table, the weights, the settings) and the
+eval's grid; `out` is `evaluate.out`, else `<workdir>/evaluate/<weights>`.
 """
 from __future__ import annotations
 
@@ -13,30 +19,40 @@ import os
 
 import jax
 
-from flowrl_jax import metrics
-from flowrl_jax.data import shapes
-from flowrl_jax.worlds.shapes import assets
-from flowrl_jax.worlds.shapes.geneval import category_grid, format_table, geneval
+from flowrl_jax.rl import trained
+
+DEFAULTS = dict(prompts="", out="")
 
 
 def run(config, workdir: str | None) -> dict:
-    """The eval job: load a checkpoint (shipped name or workdir), print the table, write JSON + PNG."""
-    cfg = config.eval
-    pipe, params, info = assets.load_pipeline(cfg.checkpoint, use_ema=cfg.use_ema)
-    prompts = shapes.load_prompts(cfg.split)
-    if cfg.max_prompts:
-        prompts = prompts[: cfg.max_prompts]
-    result = geneval(pipe, params, prompts, jax.random.PRNGKey(config.seed), cfg.samples_per_prompt, cfg.batch_size,
-                     cfg.num_steps, cfg.cfg, cfg.shift, progress=True)
-    if not metrics.is_writer():  # process 0 reports and writes
-        return result["table"]
-    print(f"GenEval-style table: {info['name']} on {cfg.split} ({len(prompts)} prompts x {cfg.samples_per_prompt}, "
-          f"ODE {cfg.num_steps} steps, cfg {cfg.cfg}, shift {cfg.shift})")
-    print(format_table(result["table"]))
-    out_dir = workdir or os.path.join("workdirs", "eval")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "eval.json"), "w") as f:
-        json.dump({"checkpoint": info, "eval": cfg.to_dict(), "table": result["table"]}, f, indent=2)
-    category_grid(result, os.path.join(out_dir, "eval_grid.png"))
-    print(f"wrote {out_dir}/eval.json and eval_grid.png")
-    return result["table"]
+    cfg = config.evaluate
+    if cfg.prompts:
+        with config.unlocked():
+            config.world.test_prompts = cfg.prompts
+    run_ = trained.load(config, workdir, rewards_required=True)
+    world = run_.world
+    out = cfg.out or os.path.join(workdir or "workdirs/evaluate", "evaluate", run_.tag)
+    frozen = run_.place(run_.base)
+    evaluation = world.evaluate(run_.placed_dit_params(frozen["dit"]), frozen, run_.step, out)
+    table = evaluation.entry["table"]
+    if jax.process_index() == 0:
+        print(f"{world.eval_name}: {run_.source} on {config.world.test_prompts or 'the test prompts'}")
+        print(format_table(table))
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "evaluate.json"), "w") as f:
+            json.dump({"weights": run_.source, "step": run_.step, "prompts": config.world.test_prompts,
+                       "rewards": [list(r) for r in run_.rewards], "eval": config.eval.to_dict(), "table": table}, f, indent=2)
+        print(f"wrote {out}/evaluate.json")
+    return {"table": table, "step": run_.step, "out": out, "source": run_.source}
+
+
+def format_table(table: dict) -> str:
+    """{row: {metric: value}} as aligned text, one line per row (`n`, the row's sample count, last)."""
+    if not table:
+        return "(no rows: the prompt set is empty)"
+    metrics_ = [m for m in next(iter(table.values())) if m != "n"]
+    lines = [f"{'':16s}" + "".join(f"{m:>14s}" for m in metrics_) + f"{'n':>7s}"]
+    for row, values in table.items():
+        lines.append(f"{row:16s}" + "".join(f"{values.get(m, float('nan')):14.4f}" for m in metrics_) + f"{values.get('n', 0):7d}")
+    return "\n".join(lines)
+

@@ -27,7 +27,9 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import shlex
 import signal
+import sys
 import time
 from typing import Any
 
@@ -79,6 +81,11 @@ class StopSignal:
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+def _write_json(path: str, value) -> None:
+    with paths.open_file(path, "w") as f:
+        json.dump(value, f, indent=2)
 
 
 def _finite_or_stop(values: dict, step: int, ckpt: Checkpointer) -> None:
@@ -137,6 +144,10 @@ def setup(plan: Plan, workdir: str) -> tuple[Job, TrainState]:
         raise ConfigError(str(e).splitlines()[0]) from None
     programs, frozen, state = programs_lib.build(plan, dit, base)
     paths.makedirs(workdir)
+    if metrics.is_writer():  # what the export's model card cites: the command and the config of the run
+        command = "python -m flowrl_jax.main " + shlex.join(sys.argv[1:]) if sys.argv[0].endswith(os.path.join("flowrl_jax", "main.py")) else None
+        metrics.best_effort("run.json", lambda: _write_json(os.path.join(workdir, "run.json"),
+                                                             {"command": command, "config": json.loads(config.to_json_best_effort())}))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep)
     try:
         restored, meta, skipped = ckpt.restore_latest(state)

@@ -13,10 +13,11 @@ and check the stored one against it.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import flax
 import jax
@@ -156,21 +157,92 @@ def from_state_dict(model: MMDiT, state_dict: Mapping[str, Any]) -> dict:
     return params
 
 
-def to_state_dict(model: MMDiT, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Our `params` -> a diffusers state_dict of float32 numpy arrays (inverse of `from_state_dict`)."""
+def diffusers_tensors(model: MMDiT, params: Mapping[str, Any]) -> Iterator[tuple[str, int, Callable[[], np.ndarray]]]:
+    """(diffusers key, its number of elements, a function giving its float32 value) for every tensor of `params`, the
+    inverse of `from_state_dict`:
+    each value is made when called, one at a time (a writer holds one shard, never the whole converted model)."""
     p, c = model.patch_size, model.in_channels
-    out = {}
-    for path, value in flax.traverse_util.flatten_dict(dict(params), sep="/").items():
-        value = np.array(value, dtype=np.float32)  # a writable copy
+
+    def value_of(path, value):
+        value = np.array(value, dtype=np.float32)  # a writable host copy
         if path == "pos_embed_proj/kernel":
             value = value.reshape(p, p, c, -1).transpose(3, 2, 0, 1)
         elif path.endswith("/kernel"):
             value = value.T
-        out[diffusers_key(path)] = np.ascontiguousarray(value)
+        return np.ascontiguousarray(value)
+
+    for path, value in flax.traverse_util.flatten_dict(dict(params), sep="/").items():
+        yield diffusers_key(path), int(np.size(value)), functools.partial(value_of, path, value)
     table = _expected_pos_table(model)
     if table is not None:
-        out[_POS_TABLE_KEY] = table.copy()
-    return out
+        yield _POS_TABLE_KEY, table.size, table.copy
+
+
+def to_state_dict(model: MMDiT, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Our `params` -> a diffusers state_dict of float32 numpy arrays (inverse of `from_state_dict`)."""
+    return {key: make() for key, _, make in diffusers_tensors(model, params)}
+
+
+def diffusers_config(model: MMDiT) -> dict:
+    """The `config.json` of `SD3Transformer2DModel` for this MMDiT (its HPARAMS)."""
+    config = {"_class_name": "SD3Transformer2DModel", **{k: getattr(model, k) for k in HPARAMS}}
+    if config["dual_attention_layers"] is not None:
+        config["dual_attention_layers"] = list(config["dual_attention_layers"])
+    return config
+
+
+_SAFETENSORS_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16"}
+
+
+def write_safetensors(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> None:
+    """`tensors` as one safetensors file (F32, F16 or BF16: the format's spec, which safetensors' numpy writer lacks for
+    BF16): an 8-byte little-endian header length, the JSON header padded to 8 bytes, the tensors' bytes in key order."""
+    header, offset = {}, 0
+    for name in sorted(tensors):
+        value = tensors[name]
+        if value.dtype not in _SAFETENSORS_DTYPES:
+            raise TypeError(f"{name}: dtype {value.dtype} is not one of {sorted(map(str, _SAFETENSORS_DTYPES))}")
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[value.dtype], "shape": list(value.shape), "data_offsets": [offset, offset + value.nbytes]}
+        offset += value.nbytes
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for name in sorted(tensors):
+            f.write(np.ascontiguousarray(tensors[name]).tobytes())
+
+
+def save_diffusers(folder: str, model: MMDiT, params: Mapping[str, Any], dtype=np.float32, max_shard_gb: float = 5.0) -> list[str]:
+    """An `SD3Transformer2DModel.from_pretrained` folder: config.json and `diffusion_pytorch_model.safetensors` in `dtype`,
+    or its shards (`-0000i-of-0000n.safetensors` + `.index.json`, as diffusers names them) of at most `max_shard_gb` each.
+    Written shard by shard from host memory: a shard's tensors are converted when it is written. -> the files written."""
+    os.makedirs(folder, exist_ok=True)
+    dtype = np.dtype(dtype)
+    entries = list(diffusers_tensors(model, params))
+    sizes = {key: size * dtype.itemsize for key, size, _ in entries}
+    shards, current, used = [], [], 0
+    for key, _, make in entries:
+        if current and used + sizes[key] > max_shard_gb * 2**30:
+            shards.append(current)
+            current, used = [], 0
+        current.append((key, make))
+        used += sizes[key]
+    shards.append(current)
+    names = ([f"diffusion_pytorch_model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+             if len(shards) > 1 else ["diffusion_pytorch_model.safetensors"])
+    for name, shard in zip(names, shards):
+        write_safetensors(os.path.join(folder, name), {key: make().astype(dtype) for key, make in shard}, {"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())},
+                 "weight_map": {key: name for name, shard in zip(names, shards) for key, _ in shard}}
+        with open(os.path.join(folder, "diffusion_pytorch_model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(diffusers_config(model), f, indent=2)
+    return [os.path.join(folder, n) for n in names]
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:

@@ -13,7 +13,9 @@ from ml_collections import ConfigDict
 from flowrl_jax import credit, objectives, worlds
 from flowrl_jax.config_lib import base_config
 from flowrl_jax.data import curriculum
+from flowrl_jax.jobs import evaluate, export, sample
 from flowrl_jax.rewards import remote
+from flowrl_jax.rl import trained
 from flowrl_jax.sampling import windows
 
 
@@ -51,4 +53,11 @@ def train_config() -> ConfigDict:
     # image_change: every this many iterations (0: never), how far the iteration's update moved the final latents of
     # the first `image_change_samples` rows at the same noise, split into trained and untrained steps (rl/programs.py make_image_change_fn)
     cfg.diagnostics = dict(image_change_every=4, image_change_samples=16)
+    # After training (docs/after_training.md): the same config with --config.job=sample | evaluate | export and the run's
+    # --workdir. policy: which weights (rl/trained.py); sample: prompts -> PNGs (jobs/sample.py); evaluate: a prompt set's
+    # table (jobs/evaluate.py); export: diffusers LoRA / PEFT adapter / merged transformer folders (jobs/export.py).
+    cfg.policy = dict(trained.DEFAULTS)
+    cfg.sample = dict(sample.DEFAULTS)
+    cfg.evaluate = dict(evaluate.DEFAULTS)
+    cfg.export = dict(export.DEFAULTS)
     return cfg

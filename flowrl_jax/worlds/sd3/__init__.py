@@ -274,8 +274,7 @@ class SD3World:
             totals.append(gather(total))
             for n, v in named.items():
                 parts.setdefault(n, []).append(gather(v))
-        table = {"test": {"reward": float(np.mean(np.concatenate(totals))),
-                          **{n: float(np.mean(np.concatenate(v))) for n, v in parts.items()}, "n": len(rows)}}
+        table = category_table(rows, np.concatenate(totals), {n: np.concatenate(v) for n, v in parts.items()})
         if jax.process_index() == 0:
             images = np.stack(grid)
             metrics.save_grid(images, os.path.join(workdir, f"eval_{step:06d}.png"), labels=[r["prompt"][:24] for r in rows[:16]],
@@ -284,3 +283,16 @@ class SD3World:
         text = (f"eval at step {step} ({len(self.test_prompts)} test prompts x {e.samples_per_prompt}, ODE {e.num_steps} steps, "
                 f"cfg {e.cfg}): " + ", ".join(f"{k} {v:.4f}" for k, v in table["test"].items() if k != "n"))
         return Evaluation({"table": table}, scalars, text)
+
+
+def category_table(rows: list[dict], total: np.ndarray, parts: dict) -> dict:
+    """{"test": every row's mean reward and reward parts, and "n"} plus one such row per category where the prompt rows
+    carry one (GenEval's metadata "tag", or "category"), in order of first appearance."""
+    def stats(index):
+        return {"reward": float(np.mean(total[index])), **{n: float(np.mean(v[index])) for n, v in parts.items()}, "n": int(len(index))}
+
+    table = {"test": stats(np.arange(len(rows)))}
+    categories = [r.get("tag", r.get("category")) for r in rows]
+    for c in dict.fromkeys(c for c in categories if c is not None):
+        table[str(c)] = stats(np.asarray([i for i, x in enumerate(categories) if x == c]))
+    return table
