@@ -16,7 +16,7 @@ peft = pytest.importorskip("peft")
 
 from flowrl_jax import main  # noqa: E402
 from flowrl_jax.models import lora, lora_files  # noqa: E402
-from flowrl_jax.rl import trained  # noqa: E402
+from flowrl_jax.rl import plan as plan_lib, programs as programs_lib, trained  # noqa: E402
 from flowrl_jax.worlds.sd3.pipeline import load_sd3_pipeline  # noqa: E402
 from tests.conftest import load_config  # noqa: E402
 from tests.test_sd3 import CLIP_LEN, PARITY, PROMPTS, RESOLUTION, T5_LEN, _config, _prompt_dataset, _rel_err, build_tiny_sd3  # noqa: E402
@@ -130,6 +130,19 @@ def test_a_flow_grpo_peft_adapter_and_a_diffusers_lora_file_import_with_their_lo
     ref = _torch_velocity(model, *inputs)
     # the port's parity bar (PARITY, tests/test_convert.py: ~100x the measured 3-9 eps), the LoRA 100x above it
     assert _rel_err(ref, base) > 100 * PARITY and _rel_err(ours, ref) < PARITY, (_rel_err(ref, base), _rel_err(ours, ref))
+
+    # a run started from it (policy.lora): its step-0 adapters, rescaled to the DiT's lora_alpha = 64, applied unmerged in
+    # the forward pass (the `lora` collection, as the update differentiates it) give peft's velocity again
+    config = _job(run, "train", **{"policy.lora": str(tmp_path / "flow_grpo")})
+    plan = plan_lib.make_plan(config)
+    dit, host = plan.world.load()
+    _, frozen, state = programs_lib.build(plan, dit, host)
+    unmerged = jax.jit(lambda p, a: dit.apply({"params": p, "lora": a}, jnp.asarray(x.transpose(0, 2, 3, 1)), t, txt, pooled))
+    for tree in (state.params, state.ema):
+        out = np.asarray(unmerged(frozen["dit"], tree)).transpose(0, 3, 1, 2)
+        assert _rel_err(out, ref) < PARITY, _rel_err(out, ref)
+    with pytest.raises(main.ConfigError, match="pass --config.train.lora_rank=4"):
+        programs_lib.build(plan_lib.make_plan(_job(run, "train", **{"policy.lora": str(tmp_path / "flow_grpo"), "train.lora_rank": 8})), dit, host)
 
     # a diffusers LoRA file of the same weights, without metadata: diffusers (and we) take lora_alpha = r, not the 8 above
     adapters, alpha = lora_files.read_lora(str(tmp_path / "diffusers"), params["dit"])

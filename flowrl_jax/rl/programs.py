@@ -20,7 +20,9 @@ import jax.numpy as jnp
 import optax
 
 from flowrl_jax import compiler, credit as credit_lib, parallel
+from flowrl_jax.config_lib import ConfigError
 from flowrl_jax.credit.context import Context
+from flowrl_jax.models import lora_files
 from flowrl_jax.objectives.batch import IterationData, ParamTrees
 from flowrl_jax.rl.policy import Policy, policy_fns
 from flowrl_jax.rl.state import TrainState, init_state, place_frozen, update_old_policy
@@ -291,6 +293,29 @@ def compile_programs(plan, policy: Policy, frozen_shardings, state_shardings, re
         reward_tokens=reward_tokens)
 
 
+def imported_lora(config, policy: Policy, base_dit) -> dict | None:
+    """The adapters a run starts from when `config.policy.lora` names a LoRA trained elsewhere (a flow_grpo PEFT adapter
+    folder or a diffusers LoRA file: `models/lora_files.py`), rescaled to the DiT's `lora_alpha`; None otherwise. It must
+    adapt exactly the modules `train.lora_rank`'s adapters would (flow_grpo's eight attention projections), at that rank."""
+    path = config.get("policy", {}).get("lora", "")
+    if not path:
+        return None
+    if not policy.lora_rank:
+        raise ConfigError(f"config.policy.lora={path!r} starts a LoRA run: set --config.train.lora_rank to its rank")
+    try:
+        adapters, alpha = lora_files.read_lora(path, base_dit)
+    except (lora_files.LoraFileError, FileNotFoundError) as e:
+        raise ConfigError(f"config.policy.lora: {e}") from None
+    rank, ours = lora_files.rank_of(adapters), policy.init(base_dit, jax.random.PRNGKey(0))
+    if rank != policy.lora_rank:
+        raise ConfigError(f"config.policy.lora has rank {rank} and train.lora_rank={policy.lora_rank}: pass --config.train.lora_rank={rank}")
+    if jax.tree_util.tree_structure(adapters) != jax.tree_util.tree_structure(ours):
+        theirs, mine = (set(lora_files.target_modules(x, base_dit)) for x in (adapters, ours))
+        raise ConfigError(f"config.policy.lora adapts {sorted(theirs)}, a run trains adapters on {sorted(mine)}: a LoRA of "
+                          "other modules can be sampled and evaluated (policy.lora), not trained on")
+    return lora_files.rescaled(adapters, alpha, policy.dit.lora_alpha)
+
+
 def build(plan, dit, base: dict) -> tuple[Programs, dict, TrainState]:
     """-> (programs, frozen, the step-0 state): the policy, the base weights placed (with the reward model's when the
     objective differentiates it), the state created sharded, and the programs; what the train job's setup builds."""
@@ -298,7 +323,7 @@ def build(plan, dit, base: dict) -> tuple[Programs, dict, TrainState]:
     policy = Policy(dit, t.lora_rank, t.lora_init)
     reward_model = plan.world.reward_model() if plan.uses_reward_model else None
     frozen, frozen_shardings = place_frozen(plan, base, reward_model.params if plan.objective.uses_reward_model else None)
-    state, state_shardings = init_state(plan, policy, frozen)
+    state, state_shardings = init_state(plan, policy, frozen, imported_lora(plan.config, policy, base["dit"]))
     return compile_programs(plan, policy, frozen_shardings, state_shardings, reward_model), frozen, state
 
 

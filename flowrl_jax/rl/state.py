@@ -69,15 +69,20 @@ def place_frozen(plan, base: dict, reward_params: Any = None) -> tuple[dict, Any
     return parallel.put_global(tree, shardings), shardings
 
 
-def init_state(plan, policy: Policy, frozen: dict) -> tuple[TrainState, Any]:
+def init_state(plan, policy: Policy, frozen: dict, initial: Any = None) -> tuple[TrainState, Any]:
     """-> (the TrainState at step 0, created sharded by the partition rules, its shardings). Its randomness is
-    `fold_in(PRNGKey(seed), 1)`."""
+    `fold_in(PRNGKey(seed), 1)`. `initial`: host params the policy starts from instead (an imported LoRA), placed as the
+    params, their EMA and the old policy (the optimizer's state starts at zeros either way)."""
     config = plan.config
     build = lambda rng: initial_state(policy, plan.optimizer, plan.credit, plan.objective, config,  # noqa: E731
                                       len(plan.world.train_prompts), frozen["dit"], rng)
     rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
     shardings = parallel.tree_shardings(jax.eval_shape(build, rng), plan.mesh, config.partition_rules, config.min_fsdp_size)
-    return jax.jit(build, out_shardings=shardings)(rng), shardings
+    state = jax.jit(build, out_shardings=shardings)(rng)
+    if initial is not None:
+        place = lambda: parallel.put_global(initial, shardings.params)  # noqa: E731 (three buffers: the update donates the state)
+        state = state.replace(params=place(), ema=place(), old=place() if state.old is not None else None)
+    return state, shardings
 
 
 def update_old_policy(state: TrainState, decay: Callable) -> TrainState:
