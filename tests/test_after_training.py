@@ -3,6 +3,7 @@ in diffusers three ways and samples what the JAX pipeline samples; a flow_grpo P
 import with their loaders' velocity; the sample and evaluate jobs on the tiny pipeline and on the shapes world's model."""
 import json
 import os
+import shlex
 
 import jax
 import jax.numpy as jnp
@@ -51,8 +52,10 @@ def _diffusers_latents(pipe, transformer, noise):
 
 def test_export_loads_in_diffusers_as_lora_peft_and_merged_folder_and_samples_what_jax_samples(run, tmp_path):
     out = main.run_job(_job(run, "export", **{"export.formats": "lora,peft,merged", "export.dtype": "float32",
-                                                  "export.out": str(tmp_path)}), run["workdir"])
+                                                  "export.max_shard_gb": 4e-5, "export.out": str(tmp_path)}), run["workdir"])
     assert out["step"] == 2 and sorted(out["folders"]) == ["lora", "merged", "peft"]
+    shards = sorted(n for n in os.listdir(tmp_path / "merged") if n.endswith(".safetensors"))
+    assert len(shards) >= 2 and shards[-1].endswith(f"-of-{len(shards):05d}.safetensors")  # 130 kB in shards of <= 43 kB
     card = open(tmp_path / "lora" / "README.md").read()
     assert "Steps trained**: 2" in card and "load_lora_weights" in card and "## Last eval (step 2)" in card
     peft_config = json.load(open(tmp_path / "peft" / "adapter_config.json"))
@@ -215,16 +218,56 @@ def test_evaluate_job_equals_the_train_loops_eval_of_the_checkpoint_and_splits_c
     assert table["test"]["reward"] == pytest.approx((4 * table["single"]["reward"] + 2 * table["counting"]["reward"]) / 6, rel=1e-6)
 
 
-def test_sample_and_evaluate_on_the_shapes_worlds_shipped_model(tmp_path):
-    config = load_config("configs/quickstart.py", **{"job": "sample", "sample.prompt": "a photo of a red circle",
-                                                     "sample.samples_per_prompt": 2})
-    out = main.run_job(config, str(tmp_path))
+def _readme_command(job: str) -> list[str]:
+    """The README's after-training command of `job`, as argv (after `python -m flowrl_jax.main`)."""
+    text = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    lines = [line for line in text.splitlines() if line.startswith("python -m flowrl_jax.main") and f"--config.job={job}" in line]
+    assert len(lines) == 1, lines
+    return shlex.split(lines[0])[3:]
+
+
+def _run_argv(argv: list[str], workdir: str):
+    """`main`'s flags, in process: --config FILE, --workdir (replaced by `workdir`), --config.a.b=value (typed as the
+    field is)."""
+    args = dict(a.split("=", 1) if "=" in a else (a, None) for a in argv)
+    config_file = argv[argv.index("--config") + 1]
+    config = load_config(config_file)
+    for key, value in args.items():
+        if key.startswith("--config."):
+            *parents, leaf = key[len("--config."):].split(".")
+            node = config
+            for part in parents:
+                node = node[part]
+            node[leaf] = type(node[leaf])(value)
+    return main.run_job(config, workdir)
+
+
+def test_the_readmes_sample_and_evaluate_commands_run_on_the_shapes_worlds_shipped_model(tmp_path):
+    """Before any training the quickstart's workdir has no checkpoint: the commands sample and evaluate the shipped base."""
+    out = _run_argv(_readme_command("sample"), str(tmp_path))
     assert out["source"] == "the base" and out["out"] == str(tmp_path / "samples" / "base")
-    assert sorted(os.listdir(out["out"])) == ["00000.json", "00000.png", "00001.json", "00001.png", "grid.png"]
+    assert sorted(os.listdir(out["out"]))[:2] == ["00000.json", "00000.png"] and os.path.isfile(os.path.join(out["out"], "grid.png"))
+    assert json.load(open(os.path.join(out["out"], "00003.json")))["seed"] == 3
     from flowrl_jax.data import shapes
 
-    rows = [r for c in shapes.CATEGORIES for r in [q for q in shapes.load_prompts("test") if q["category"] == c][:1]]
+    # on one test prompt per category, not the 210 of test.jsonl (minutes with the suite's XLA optimizations off)
+    rows = [next(q for q in shapes.load_prompts("test") if q["category"] == c) for c in shapes.CATEGORIES]
     (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = main.run_job(load_config("configs/quickstart.py", **{"job": "evaluate", "evaluate.prompts": str(tmp_path / "test.jsonl"),
-                                                               "eval.batch_size": 8}), str(tmp_path))
-    assert set(out["table"]) >= set(shapes.CATEGORIES) and os.path.isfile(tmp_path / "evaluate" / "base" / "evaluate.json")
+    out = _run_argv(_readme_command("evaluate") + [f"--config.evaluate.prompts={tmp_path / 'test.jsonl'}", "--config.eval.batch_size=8"],
+                    str(tmp_path))
+    assert set(out["table"]) == {"overall", *shapes.CATEGORIES} and all(out["table"][c]["n"] == 1 for c in shapes.CATEGORIES)
+    assert os.path.isfile(tmp_path / "evaluate" / "base" / "evaluate.json")
+
+
+def test_a_bfloat16_merged_folder_loads_in_diffusers_as_the_rounded_weights(run, tmp_path):
+    """`export.dtype=bfloat16` (the default): diffusers reads every tensor as our float32 value rounded to bfloat16
+    (round to nearest even, the one rounding both libraries use: compared exactly)."""
+    from flowrl_jax.models import convert
+
+    policy = trained.load(_job(run, "export"), run["workdir"])
+    convert.save_diffusers(str(tmp_path), policy.dit, policy.dit_params(), jnp.bfloat16)
+    theirs = diffusers.SD3Transformer2DModel.from_pretrained(str(tmp_path), torch_dtype=torch.bfloat16).state_dict()
+    ours = convert.to_state_dict(policy.dit, policy.dit_params())
+    assert set(theirs) == set(ours)
+    for key, value in ours.items():
+        np.testing.assert_array_equal(theirs[key].float().numpy(), torch.from_numpy(value).bfloat16().float().numpy(), err_msg=key)

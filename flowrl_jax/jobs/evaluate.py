@@ -31,7 +31,7 @@ def run(config, workdir: str | None) -> dict:
             config.world.test_prompts = cfg.prompts
     run_ = trained.load(config, workdir, rewards_required=True)
     world = run_.world
-    out = cfg.out or os.path.join(workdir or "workdirs/evaluate", "evaluate", run_.tag)
+    out = trained.output_folder("evaluate.out", cfg.out, workdir, "evaluate", run_.tag)
     frozen = run_.place(run_.base)
     evaluation = world.evaluate(run_.placed_dit_params(frozen["dit"]), frozen, run_.step, out)
     table = evaluation.entry["table"]

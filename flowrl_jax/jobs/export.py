@@ -55,7 +55,7 @@ def run(config, workdir: str | None) -> dict:
         raise ConfigError(f"nothing trained to export: --workdir {workdir} has no checkpoint (and no policy.lora was given)")
     chosen = formats_of(e.formats, run_.adapters is not None)
     
-    out = e.out or os.path.join(workdir or "workdirs/export", "export", run_.tag)
+    out = trained.output_folder("export.out", e.out, workdir, "export", run_.tag)
     written = {}
     if jax.process_index() == 0:
         base_name = config.world.get("pipeline") or config.world.get("base", "")

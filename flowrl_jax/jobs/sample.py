@@ -82,7 +82,7 @@ def run(config, workdir: str | None) -> dict:
     sharding = parallel.batch_sharding(mesh)
     sampler = make_sampler(world, run_.dit, st, sharding)
     items = [(row, s.seed + i) for i, row in enumerate(r for r in rows for _ in range(s.samples_per_prompt))]
-    out = s.out or os.path.join(workdir or "workdirs/sample", "samples", run_.tag)
+    out = trained.output_folder("sample.out", s.out, workdir, "samples", run_.tag)
     shape = world.latent_shape(1)[1:]
     noise_of = jax.jit(lambda seeds: jax.vmap(lambda k: jax.random.normal(jax.random.PRNGKey(k), shape))(seeds), out_shardings=sharding)
     images_all = []

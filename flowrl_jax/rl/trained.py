@@ -21,7 +21,7 @@ from typing import Any, Callable
 import flax
 import numpy as np
 
-from flowrl_jax import parallel, worlds
+from flowrl_jax import parallel, paths, worlds
 from flowrl_jax.checkpoint import Checkpointer
 from flowrl_jax.config_lib import ConfigError
 from flowrl_jax.models import lora, lora_files
@@ -80,6 +80,15 @@ def merge_on_host(dit_params, adapters, alpha: float) -> dict:
     return flax.traverse_util.unflatten_dict(flat, sep="/")
 
 
+def output_folder(option: str, value: str, workdir: str | None, kind: str, tag: str) -> str:
+    """Where an after-training job writes: `value` (the `option` field), else `<workdir>/<kind>/<tag>`; a local folder
+    (the files go to tools that read local paths; copy them to a bucket afterwards)."""
+    out = value or os.path.join(workdir or "workdirs", kind, tag)
+    if paths.is_url(out):
+        raise ConfigError(f"{option}: {out} is a bucket URL; these files are written to a local folder: pass --config.{option}=/local/path")
+    return out
+
+
 def _checkpoint_step(ckpt: Checkpointer, wanted: int) -> int:
     steps = ckpt.all_steps()
     if wanted == -1:
@@ -123,7 +132,7 @@ def load(config, workdir: str | None, rewards_required: bool = False) -> Trained
             raise ConfigError(f"config.policy.lora: {e}") from None
         return Trained(*loaded, 0, f"the LoRA {p.lora}", adapters, alpha)
     directory = os.path.join(workdir, "checkpoints") if workdir else ""
-    if not directory or not os.path.isdir(directory):
+    if not directory or not paths.exists(directory):
         if p.step > 0:
             raise ConfigError(f"config.policy.step={p.step}: --workdir {workdir} has no checkpoints/ (pass the train run's --workdir)")
         return Trained(*loaded, 0, "the base")
