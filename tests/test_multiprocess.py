@@ -32,10 +32,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(base: str, workdir: str, sigterm_after: str | None = None, **overrides) -> list[str]:
+def _launch(base: str, workdir: str, sigterm_after: str | None = None, cache: str | None = None, **overrides) -> list[str]:
     """Run the train job as 2 processes x 4 devices; -> their outputs (fails with them if either fails: an exit status
     other than 0, or 75 after a SIGTERM). With `sigterm_after`, process 1 alone gets SIGTERM once process 0 has printed
-    that text."""
+    that text. `cache`: a persistent compilation cache folder the launches share (JAX_COMPILATION_CACHE_DIR, which the
+    job keeps: `compiler.use_persistent_cache`), so a later launch loads what an earlier one compiled, as a restarted
+    pod does from its workdir's cache."""
     fields = {**FIELDS, "world.base": base, **overrides}
     flags = [f"--config.{k}={v!r}" if not isinstance(v, str) else f"--config.{k}={v}" for k, v in fields.items()]
     port = _free_port()
@@ -43,7 +45,8 @@ def _launch(base: str, workdir: str, sigterm_after: str | None = None, **overrid
     for i in range(2):
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
                "TPU_WORKER_HOSTNAMES": "127.0.0.1,127.0.0.1", "TPU_WORKER_ID": str(i), "JAX_COORDINATOR_PORT": str(port),
-               "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "PYTHONUNBUFFERED": "1"}  # as the in-process tests (conftest)
+               "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "PYTHONUNBUFFERED": "1",  # as the in-process tests (conftest)
+               **({"JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"} if cache else {})}
         procs.append(subprocess.Popen([sys.executable, "-m", "flowrl_jax.main", "--config", "configs/flow_grpo.py",
                                        "--workdir", workdir, *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
@@ -83,7 +86,8 @@ def test_two_processes_agree_with_one_stop_together_on_one_sigterm_and_resume_bi
     from flowrl_jax import main
 
     two, one, straight = str(tmp_path / "two"), str(tmp_path / "one"), str(tmp_path / "straight")
-    outputs = _launch(smoke_base, two, sigterm_after="eval at step 0")  # process 1 alone, during the first iteration
+    cache = str(tmp_path / "xla_cache")  # shared by the three launches: only the first compiles
+    outputs = _launch(smoke_base, two, sigterm_after="eval at step 0", cache=cache)  # process 1 alone, during the first iteration
     for out in outputs:  # process 1's notice, propagated to process 0 by the service
         assert "a preemption notice (SIGTERM to a process of the run): saved a checkpoint at step 1" in out
     assert sorted(os.listdir(os.path.join(two, "checkpoints"))) == ["1"]  # the same step, once, then both exited
@@ -102,9 +106,9 @@ def test_two_processes_agree_with_one_stop_together_on_one_sigterm_and_resume_bi
                             for x, y in zip(jax.tree_util.tree_leaves(a["params"]), jax.tree_util.tree_leaves(b["params"]))])
     assert diffs.max() <= 2 * TINY["train.lr"] and np.mean(diffs > 1e-5) < 0.005  # Adam's ~lr sign steps (test_train)
 
-    outputs = _launch(smoke_base, two)  # the same command: resumes from step 1 and runs to the end
+    outputs = _launch(smoke_base, two, cache=cache)  # the same command: resumes from step 1 and runs to the end
     assert all("resumed from step 1" in out for out in outputs)
-    _launch(smoke_base, straight)  # the same run, never interrupted
+    _launch(smoke_base, straight, cache=cache)  # the same run, never interrupted
     assert [r["step"] for r in _rows(two)] == [1, 2] and [r["step"] for r in _rows(straight)] == [1, 2]
     ends = [_state(two), _state(straight)]
     assert int(ends[0]["step"]) == int(ends[1]["step"]) == 2

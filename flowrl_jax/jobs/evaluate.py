@@ -21,9 +21,6 @@ import jax
 
 from flowrl_jax.rl import trained
 
-DEFAULTS = dict(prompts="", out="")
-
-
 def run(config, workdir: str | None) -> dict:
     cfg = config.evaluate
     if cfg.prompts:

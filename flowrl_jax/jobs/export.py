@@ -28,7 +28,6 @@ from flowrl_jax.config_lib import ConfigError
 from flowrl_jax.models import convert, lora_files
 from flowrl_jax.rl import trained
 
-DEFAULTS = dict(formats="auto", dtype="bfloat16", max_shard_gb=5.0, out="")
 FORMATS = ("lora", "peft", "merged")
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 

@@ -19,6 +19,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from PIL import Image
 from tqdm import tqdm
 
 from flowrl_jax import metrics, parallel
@@ -26,11 +27,6 @@ from flowrl_jax.config_lib import ConfigError
 from flowrl_jax.data import datasets
 from flowrl_jax.rl import trained
 from flowrl_jax.sampling import kernels, rollout, schedule
-
-DEFAULTS = dict(prompt="", prompts="", samples_per_prompt=4, batch_size=8, seed=0, kind="ode", noise_level=0.7,
-                num_steps=0, cfg=-1.0, shift=0.0,  # 0 / -1 / 0: the run's eval settings (config.eval)
-                out="")
-
 
 def settings(config) -> dict:
     """The sampler's settings, `config.eval`'s where `config.sample` leaves them unset."""
@@ -103,8 +99,6 @@ def run(config, workdir: str | None) -> dict:
 
 def write(out: str, items: list, images: np.ndarray, settings_: dict) -> None:
     """`<index>.png` + `<index>.json` per image, and grid.png (the first 64, captioned with their prompts)."""
-    from PIL import Image
-
     os.makedirs(out, exist_ok=True)
     for i, ((row, seed), image) in enumerate(zip(items, metrics.to_uint8(images))):
         Image.fromarray(image).save(os.path.join(out, f"{i:05d}.png"))

@@ -13,7 +13,6 @@ from ml_collections import ConfigDict
 from flowrl_jax import credit, objectives, worlds
 from flowrl_jax.config_lib import base_config
 from flowrl_jax.data import curriculum
-from flowrl_jax.jobs import evaluate, export, sample
 from flowrl_jax.rewards import remote
 from flowrl_jax.rl import trained
 from flowrl_jax.sampling import windows
@@ -57,7 +56,11 @@ def train_config() -> ConfigDict:
     # --workdir. policy: which weights (rl/trained.py); sample: prompts -> PNGs (jobs/sample.py); evaluate: a prompt set's
     # table (jobs/evaluate.py); export: diffusers LoRA / PEFT adapter / merged transformer folders (jobs/export.py).
     cfg.policy = dict(trained.DEFAULTS)
-    cfg.sample = dict(sample.DEFAULTS)
-    cfg.evaluate = dict(evaluate.DEFAULTS)
-    cfg.export = dict(export.DEFAULTS)
+    cfg.sample = dict(prompt="", prompts="", samples_per_prompt=4, batch_size=8, seed=0, kind="ode", noise_level=0.7,
+                      num_steps=0, cfg=-1.0, shift=0.0,  # 0 / -1 / 0: the run's eval settings (config.eval)
+                      out="")  # "" = <workdir>/samples/<weights>
+    cfg.evaluate = dict(prompts="",  # "" = the run's test prompts (world.test_prompts)
+                        out="")  # "" = <workdir>/evaluate/<weights>
+    cfg.export = dict(formats="auto",  # comma-separated: lora, peft, merged; auto = lora,peft for a LoRA, merged for a whole DiT
+                      dtype="bfloat16", max_shard_gb=5.0, out="")  # the merged folder's dtype and shard size; "" = <workdir>/export/<weights>
     return cfg
