@@ -11,16 +11,9 @@ import tempfile  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-# The train/pretrain tests rebuild their jitted functions per run; a persistent compilation cache lets identical programs
-# skip XLA compilation the second time. One per test run, shared by pytest-xdist's workers (PYTEST_XDIST_TESTRUNUID is the
-# run's id in every worker): a program one worker compiled, the other loads (the tiny SD3 run of test_sd3 and
-# test_after_training, the TINY flow_grpo runs of several files). A size cap turns on JAX's file lock around every read
-# and write of the cache (without one, a worker could read an entry the other is still writing).
-_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-_CACHE = os.path.join(tempfile.gettempdir(), f"flowrl_jax_xla_cache_{_RUN}") if _RUN else tempfile.mkdtemp(prefix="flowrl_jax_xla_cache_")
-os.makedirs(_CACHE, exist_ok=True)
-jax.config.update("jax_compilation_cache_dir", _CACHE)
-jax.config.update("jax_compilation_cache_max_size", 8 * 2**30)
+# The train/pretrain tests rebuild their jitted functions per run; a persistent compilation cache (one per
+# session) lets identical programs skip XLA compilation the second time.
+jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="flowrl_jax_xla_cache_"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # Tests run tiny shapes, where XLA's compile time dominates its run time: most optimization passes off cut the suite's
