@@ -4,6 +4,7 @@ import with their loaders' velocity; the sample and evaluate jobs on the tiny pi
 import json
 import os
 import shlex
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,9 @@ torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 peft = pytest.importorskip("peft")
 
-from flowrl_jax import main  # noqa: E402
+from flowrl_jax import checkpoint, main  # noqa: E402
+from flowrl_jax.data import datasets  # noqa: E402
+from flowrl_jax.jobs import train  # noqa: E402
 from flowrl_jax.models import lora, lora_files  # noqa: E402
 from flowrl_jax.rl import plan as plan_lib, programs as programs_lib, trained  # noqa: E402
 from flowrl_jax.worlds.sd3.pipeline import load_sd3_pipeline  # noqa: E402
@@ -26,17 +29,60 @@ FLOW_GRPO_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "a
                      "attn.to_q", "attn.to_v"]  # flow_grpo's train_sd3.py LoraConfig (r=32, lora_alpha=64, gaussian)
 
 
+def _recording_prompts(monkeypatch, seen: list) -> None:
+    """The train loop's own `sample_prompts` phase, each iteration's prompt rows appended to `seen`."""
+    sample_prompts = train.sample_prompts
+
+    def recording(job, state, it):
+        batch = sample_prompts(job, state, it)
+        seen.append([row["prompt"] for row in batch.prompts_local])
+        return batch
+
+    monkeypatch.setattr(train, "sample_prompts", recording)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A 2-iteration LoRA run (rank 4) on the tiny pipeline, at a learning rate that moves the adapters far from their
-    zero start (so that a LoRA dropped or mis-scaled anywhere shows), with its eval at step 2."""
+    """A 2-iteration LoRA run (rank 4) of the SD3.5-M preset on the tiny pipeline (its JPEG demo reward: the preset's
+    PickScore has no weights here), at a learning rate that moves the adapters far from their zero start (so that a LoRA
+    dropped or mis-scaled anywhere shows), with a checkpoint per iteration, its eval at step 2 and its prompts recorded."""
     root = tmp_path_factory.mktemp("after")
     folder = str(root / "sd3")
     reference = build_tiny_sd3(folder)
     prompts = _prompt_dataset(root)
-    fields = {"train.lr": 3e-2}
-    main.run_job(_config(folder, prompts, **fields), str(root / "run"))
-    return {"folder": folder, "reference": reference, "prompts": prompts, "workdir": str(root / "run"), "fields": fields}
+    fields, seen = {"train.lr": 3e-2}, []
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _recording_prompts(monkeypatch, seen)
+        out = main.run_job(_config(folder, prompts, **fields), str(root / "run"))
+    return {"folder": folder, "reference": reference, "prompts": prompts, "workdir": str(root / "run"), "fields": fields,
+            "out": out, "seen": seen}
+
+
+def test_the_run_resumes_in_its_prompt_order_bit_equal(run, tmp_path, monkeypatch):
+    """The run writes what it should (eval at its end, JPEG rewards: minus kilobytes), reads its prompts per process in the
+    reader's order, and a resume from step 1 continues that order and ends bit-equal."""
+    out, workdir = run["out"], tmp_path / "resumed"
+    assert out["step"] == 2 and [e["step"] for e in out["evals"]] == [2] and os.path.isfile(os.path.join(run["workdir"], "eval_000002.png"))
+    rows = [json.loads(line) for line in open(os.path.join(run["workdir"], "metrics.jsonl"))]
+    assert [r["reward"] < 0 for r in rows if "reward" in r] == [True, True]  # minus JPEG kilobytes
+    assert len(run["seen"]) == 2 and all(len(b) == 2 * 4 for b in run["seen"])
+    reader = datasets.PromptReader(datasets.PromptDataset(run["prompts"], "train"), 2, seed=0)
+    assert [b[::4] for b in run["seen"]] == [[p["prompt"] for p in next(reader)] for _ in range(2)]
+    assert json.load(open(os.path.join(run["workdir"], "run.json")))["config"]["train"]["lr"] == 3e-2  # the model card's source
+
+    shutil.copytree(run["workdir"], workdir)  # the run as if killed after iteration 1: only its first checkpoint
+    shutil.rmtree(workdir / "checkpoints" / "2")
+    seen = []
+    _recording_prompts(monkeypatch, seen)
+    main.run_job(_job(run, "train"), str(workdir))
+    assert seen == run["seen"][1:]  # the same prompt order
+    a, b = (checkpoint.Checkpointer(os.path.join(d, "checkpoints")) for d in (run["workdir"], str(workdir)))
+    try:
+        sa, sb = a.restore(2, None)[0], b.restore(2, None)[0]
+    finally:
+        a.close(), b.close()
+    for x, y in zip(jax.tree_util.tree_leaves(sa), jax.tree_util.tree_leaves(sb)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # same prompts, same noise: bit-equal
 
 
 def _job(run, job, **fields):

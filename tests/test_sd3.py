@@ -15,7 +15,6 @@ diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 
 from flowrl_jax import checkpoint, main, parallel, rewards, worlds  # noqa: E402
-from flowrl_jax.jobs import train  # noqa: E402
 from flowrl_jax.data import datasets  # noqa: E402
 from flowrl_jax.models import convert  # noqa: E402
 from flowrl_jax.worlds.sd3.pipeline import load_sd3_pipeline  # noqa: E402
@@ -150,43 +149,8 @@ def _config(folder, prompts, **fields):
     return load_config("configs/sd35m_pickscore.py", **{**tiny, **fields})
 
 
-def test_train_two_iterations_then_resume_continues_the_prompt_order(sd3, tmp_path, monkeypatch):
-    folder, _ = sd3
-    prompts = _prompt_dataset(tmp_path)
-    seen, sample_prompts = [], train.sample_prompts
-
-    def recording(job, state, it):  # the loop's own phase, its prompts noted
-        batch = sample_prompts(job, state, it)
-        seen.append(list(batch.prompts_local))
-        return batch
-
-    monkeypatch.setattr(train, "sample_prompts", recording)
-
-    run = tmp_path / "run"
-    out = main.run_job(_config(folder, prompts), str(run))
-    assert out["step"] == 2 and [e["step"] for e in out["evals"]] == [2] and os.path.isfile(run / "eval_000002.png")
-    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
-    assert [r["reward"] < 0 for r in rows if "reward" in r] == [True, True]  # minus JPEG kilobytes
-    uninterrupted = list(seen)
-    assert len(uninterrupted) == 2 and all(len(b) == 2 * 4 for b in uninterrupted)
-    reader = datasets.PromptReader(datasets.PromptDataset(prompts, "train"), 2, seed=0)
-    assert [[p["prompt"] for p in b[::4]] for b in uninterrupted] == [[p["prompt"] for p in next(reader)] for _ in range(2)]
-
-    resumed_dir = tmp_path / "resumed"  # the run as if killed after iteration 1: only its first checkpoint
-    shutil.copytree(run, resumed_dir)
-    shutil.rmtree(resumed_dir / "checkpoints" / "2")
-    seen.clear()
-    main.run_job(_config(folder, prompts), str(resumed_dir))
-    resumed = list(seen)
-    assert [b["prompt"] for b in resumed[0]] == [b["prompt"] for b in uninterrupted[1]]  # the same prompt order
-    a, b = (checkpoint.Checkpointer(str(d / "checkpoints")) for d in (run, resumed_dir))
-    try:
-        sa, sb = a.restore(2, None)[0], b.restore(2, None)[0]
-    finally:
-        a.close(), b.close()
-    for x, y in zip(jax.tree_util.tree_leaves(sa["params"]), jax.tree_util.tree_leaves(sb["params"])):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # same prompts, same noise: bit-equal
-
+# The preset's run on its JPEG demo reward, its prompt order and its resume: tests/test_after_training.py (one run shared
+# with the after-training jobs' tests).
 
 
 def test_text_cache_equals_encoding_on_the_fly(sd3, tmp_path):
