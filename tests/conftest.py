@@ -11,9 +11,16 @@ import tempfile  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-# The train/pretrain tests rebuild their jitted functions per run; a persistent compilation cache (one per
-# session) lets identical programs skip XLA compilation the second time.
-jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="flowrl_jax_xla_cache_"))
+# The train/pretrain tests rebuild their jitted functions per run; a persistent compilation cache lets identical programs
+# skip XLA compilation the second time. One per test run, shared by pytest-xdist's workers (PYTEST_XDIST_TESTRUNUID is the
+# run's id in every worker), so a program one worker compiled the other loads (test_train / test_train_methods /
+# test_memory_knobs: 580 -> 506 s of worker time). No size cap: a cap turns on JAX's file lock, with which the whole
+# suite ran past 25 minutes. Unlocked, an entry read while the other worker writes it fails zlib's checksum (JAX
+# compresses with zlib when zstandard is absent, as here): JAX warns and compiles, so a result never depends on it.
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+_CACHE = os.path.join(tempfile.gettempdir(), f"flowrl_jax_xla_cache_{_RUN}") if _RUN else tempfile.mkdtemp(prefix="flowrl_jax_xla_cache_")
+os.makedirs(_CACHE, exist_ok=True)
+jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # Tests run tiny shapes, where XLA's compile time dominates its run time: most optimization passes off cut the suite's
