@@ -7,7 +7,10 @@ job's fields live with it (`rl/schema.py`); the presets the config files share i
 from __future__ import annotations
 
 import ast
+import os
 import runpy
+import shlex
+import sys
 
 from ml_collections import ConfigDict
 
@@ -61,3 +64,11 @@ def load_config(path: str, variant: str = "", **fields) -> ConfigDict:
             node = node[part]
         node[leaf] = value
     return config
+
+
+def command_line() -> str | None:
+    """This process's command as `python -m flowrl_jax.main ...` (what a run records and a model card cites), or None
+    when no job was started from the command line (a test, a notebook)."""
+    if sys.argv and sys.argv[0].endswith(os.path.join("flowrl_jax", "main.py")):
+        return "python -m flowrl_jax.main " + shlex.join(sys.argv[1:])
+    return None

@@ -202,10 +202,13 @@ def test_a_flow_grpo_peft_adapter_and_a_diffusers_lora_file_import_with_their_lo
     ours = np.asarray(velocity(trained.merge_on_host(params["dit"], adapters, alpha))).transpose(0, 3, 1, 2)
     assert _rel_err(ref_file, ref) > 100 * PARITY and _rel_err(ours, ref_file) < PARITY, (_rel_err(ref_file, ref), _rel_err(ours, ref_file))
 
-    # and the imported LoRA is a policy: sampled through the job, from the same command line field
+    # and the imported LoRA is a policy: sampled through the job (with Flow-GRPO's SDE kernel), from the same field
     out = main.run_job(_job(run, "sample", **{"policy.lora": str(tmp_path / "flow_grpo"), "sample.prompt": PROMPTS[0],
-                                                  "sample.samples_per_prompt": 1, "sample.num_steps": 2}), str(tmp_path / "w"))
-    assert out["source"] == f"the LoRA {tmp_path / 'flow_grpo'}" and os.path.isfile(os.path.join(out["out"], "00000.png"))
+                                                  "sample.samples_per_prompt": 1, "sample.num_steps": 2, "sample.kind": "sde"}),
+                       str(tmp_path / "w"))
+    assert out["source"] == f"the LoRA {tmp_path / 'flow_grpo'}" and out["out"] == str(tmp_path / "w" / "samples" / "lora_flow_grpo")
+    sidecar = json.load(open(os.path.join(out["out"], "00000.json")))
+    assert sidecar["kind"] == "sde" and sidecar["noise_level"] == 0.7 and os.path.isfile(os.path.join(out["out"], "00000.png"))
 
 
 def test_a_lora_of_another_model_or_layout_is_a_clear_error(run, tmp_path):

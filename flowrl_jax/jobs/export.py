@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
-import sys
 
 import jax
 import ml_dtypes
 import numpy as np
 
+from flowrl_jax import config_lib, paths
 from flowrl_jax.config_lib import ConfigError
 from flowrl_jax.models import convert, lora_files
 from flowrl_jax.rl import trained
@@ -89,10 +88,12 @@ def model_card(config, run_: trained.Trained, fmt: str, workdir: str | None) -> 
     evals = run_.meta.get("history", {}).get("evals", [])
     last = evals[-1] if evals else None
     launch = os.path.join(workdir or "", "run.json")
-    train_command = None
-    if workdir and os.path.isfile(launch):
-        with open(launch) as f:
-            train_command = json.load(f).get("command")
+    recorded = {}
+    if workdir and paths.exists(launch):  # the train job's record of its command and config
+        with paths.open_file(launch) as f:
+            recorded = json.load(f)
+    train_command = recorded.get("command")
+    run_config = json.dumps(recorded["config"], indent=2) if "config" in recorded else config.to_json_best_effort(indent=2)
     lines = ["---", "library_name: diffusers", f"tags: [flowrl_jax, {config.objective.name}, {'lora' if fmt != 'merged' else 'sd3'}]",
              "---", f"# {config.objective.name} fine-tune of {os.path.basename(os.path.normpath(base)) or base}", "",
              f"- **Weights**: {run_.source}; {fmt} export (`flowrl_jax/jobs/export.py`).",
@@ -103,7 +104,8 @@ def model_card(config, run_: trained.Trained, fmt: str, workdir: str | None) -> 
              f"- **Rewards**: {', '.join(f'{n} x {w}' for n, w in run_.rewards) or '(none)'}.",
              ]
     if run_.adapters is not None:
-        lines.append(f"- **LoRA**: rank {lora_files.rank_of(run_.adapters)}, alpha {run_.alpha:g}, on "
+        folded = " (folded into lora_B in this file, which records lora_alpha = r)" if fmt == "lora" else ""
+        lines.append(f"- **LoRA**: rank {lora_files.rank_of(run_.adapters)}, alpha {run_.alpha:g}{folded}, on "
                      f"{', '.join(lora_files.target_modules(run_.adapters, run_.base['dit']))}.")
     lines += ["", "## Load it", "```python", "import torch", "from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline",
               f"BASE, FOLDER = {base!r}, {'.'!r}  # the base pipeline folder, this folder", LOAD_SNIPPETS[fmt], "```", ""]
@@ -116,6 +118,6 @@ def model_card(config, run_: trained.Trained, fmt: str, workdir: str | None) -> 
     lines += ["## How it was made", ""]
     if train_command:
         lines += ["Trained with:", "```bash", train_command, "```"]
-    lines += ["Exported with:", "```bash", shlex.join(sys.argv) if sys.argv and sys.argv[0] else "(from Python)", "```", "",
-              "<details><summary>The run's config</summary>", "", "```json", config.to_json_best_effort(indent=2), "```", "</details>", ""]
+    lines += ["Exported with:", "```bash", config_lib.command_line() or "(flowrl_jax.jobs.export.run, from Python)", "```", "",
+              "<details><summary>The run's config</summary>", "", "```json", run_config, "```", "</details>", ""]
     return "\n".join(lines)

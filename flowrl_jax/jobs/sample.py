@@ -17,7 +17,6 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from PIL import Image
 from tqdm import tqdm
@@ -89,7 +88,7 @@ def run(config, workdir: str | None) -> dict:
         padded = chunk + [chunk[-1]] * (batch - len(chunk))  # one compiled shape; the copies are dropped
         ids, mask = world.tokenize([row for row, _ in padded])
         ids, mask = parallel.shard_batch((np.asarray(ids), np.asarray(mask)), mesh)
-        noise = noise_of(jnp.asarray([seed for _, seed in padded], jnp.uint32))
+        noise = noise_of(np.asarray([seed for _, seed in padded], np.uint32))  # host values: the same on every process
         images = parallel.to_host(sampler(params, frozen, ids, mask, noise, jax.random.fold_in(jax.random.PRNGKey(s.seed), b)))
         images_all.extend(images[: len(chunk)])
     if metrics.is_writer():

@@ -27,9 +27,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
-import shlex
 import signal
-import sys
 import time
 from typing import Any
 
@@ -38,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from flowrl_jax import metrics, parallel, paths, rewards
+from flowrl_jax import config_lib, metrics, parallel, paths, rewards
 from flowrl_jax.checkpoint import CheckpointError, Checkpointer
 from flowrl_jax.config_lib import ConfigError
 from flowrl_jax.data import curriculum
@@ -145,9 +143,8 @@ def setup(plan: Plan, workdir: str) -> tuple[Job, TrainState]:
     programs, frozen, state = programs_lib.build(plan, dit, base)
     paths.makedirs(workdir)
     if metrics.is_writer():  # what the export's model card cites: the command and the config of the run
-        command = "python -m flowrl_jax.main " + shlex.join(sys.argv[1:]) if sys.argv[0].endswith(os.path.join("flowrl_jax", "main.py")) else None
-        metrics.best_effort("run.json", lambda: _write_json(os.path.join(workdir, "run.json"),
-                                                             {"command": command, "config": json.loads(config.to_json_best_effort())}))
+        record = {"command": config_lib.command_line(), "config": json.loads(config.to_json_best_effort())}
+        metrics.best_effort("run.json", lambda: _write_json(os.path.join(workdir, "run.json"), record))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep)
     try:
         restored, meta, skipped = ckpt.restore_latest(state)
