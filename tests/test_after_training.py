@@ -137,8 +137,7 @@ def test_export_loads_in_diffusers_as_lora_peft_and_merged_folder_and_samples_wh
         adapters, alpha = lora_files.read_lora(str(tmp_path / fmt), params["dit"])
         merged = trained.merge_on_host(params["dit"], adapters, alpha)
         for x, y in zip(jax.tree_util.tree_leaves(merged), jax.tree_util.tree_leaves(policy.dit_params())):
-            # W + (a_r / r) a (s b) with s = alpha / a_r folded in float32: a product rounded differently, <= 4 eps of |W|
-            np.testing.assert_allclose(x, y, rtol=0, atol=4 * np.finfo(np.float32).eps * max(1.0, np.abs(y).max()))
+            np.testing.assert_allclose(x, y, rtol=0, atol=4 * np.finfo(np.float32).eps * max(1.0, np.abs(y).max()))  # W + (a_r/r) a (s b), s = alpha/a_r folded in float32: a product rounded another way, <= 4 eps of |W|
 
 
 def _inputs(seed=0):

@@ -210,13 +210,16 @@ def test_queued_create_waits_until_active(standin):
 # ------------------------------------------------------------------------------------ stop.sh: once, FORCE=1 kills
 def test_stop_signals_once_and_only_force_kills(standin, tmp_path):
     standin.create("o", "v4-8")
-    terms = tmp_path / "terms"
-    # A job that notes each SIGTERM and goes on (as the train job finishes its iteration); its argv names the module.
+    terms, ready = tmp_path / "terms", tmp_path / "ready"
+    # A job that notes each SIGTERM and goes on (as the train job finishes its iteration); its argv names the module. It
+    # says when its handler is in place: a SIGTERM before that (a slow start on a busy machine) would kill it unnoted.
     code = ("import signal, sys, time\n"
             "signal.signal(signal.SIGTERM, lambda *a: open(sys.argv[1], 'a').write('TERM\\n'))\n"
+            "open(sys.argv[2], 'w').write('ready')\n"
             "time.sleep(60)")
-    job = subprocess.Popen([sys.executable, "-c", code, str(terms), "flowrl_jax.main"])
+    job = subprocess.Popen([sys.executable, "-c", code, str(terms), str(ready), "flowrl_jax.main"])
     try:
+        assert wait_for(str(ready)) == "ready"
         with open(os.path.join(standin.home("o", 0), "flowrl_train.pid"), "w") as f:
             f.write(f"{job.pid}\n")
         assert "SIGTERM sent" in standin.script("stop.sh", TPU_NAME="o", STOP_WAIT="0").stdout

@@ -48,11 +48,10 @@ def run(config, workdir: str | None) -> dict:
     e = config.export
     if e.dtype not in DTYPES:
         raise ConfigError(f"export.dtype={e.dtype!r}: choose one of {', '.join(DTYPES)}")
+    chosen = formats_of(e.formats, bool(config.train.lora_rank or config.policy.lora))  # checked before loading the model
     run_ = trained.load(config, workdir)
     if run_.step == 0 and run_.adapters is None:
         raise ConfigError(f"nothing trained to export: --workdir {workdir} has no checkpoint (and no policy.lora was given)")
-    chosen = formats_of(e.formats, run_.adapters is not None)
-    
     out = trained.output_folder("export.out", e.out, workdir, "export", run_.tag)
     written = {}
     if jax.process_index() == 0:

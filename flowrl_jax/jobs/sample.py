@@ -27,6 +27,7 @@ from flowrl_jax.data import datasets
 from flowrl_jax.rl import trained
 from flowrl_jax.sampling import kernels, rollout, schedule
 
+
 def settings(config) -> dict:
     """The sampler's settings, `config.eval`'s where `config.sample` leaves them unset."""
     s, e = config.sample, config.eval
@@ -72,6 +73,7 @@ def run(config, workdir: str | None) -> dict:
     world, mesh = run_.world, run_.mesh
     shards = parallel.batch_shards(mesh)
     batch = -(-s.batch_size // shards) * shards  # a multiple of the batch shards: every device its own rows
+    local = parallel.process_batch_slice(batch)
     frozen = run_.place(run_.base)
     params = run_.placed_dit_params(frozen["dit"])
     sharding = parallel.batch_sharding(mesh)
@@ -86,7 +88,7 @@ def run(config, workdir: str | None) -> dict:
     for b, start in enumerate(tqdm(range(0, len(items), batch), desc="sample", disable=not metrics.is_writer())):
         chunk = items[start : start + batch]
         padded = chunk + [chunk[-1]] * (batch - len(chunk))  # one compiled shape; the copies are dropped
-        ids, mask = world.tokenize([row for row, _ in padded])
+        ids, mask = world.tokenize([row for row, _ in padded[local]])  # this process's rows of the global batch
         ids, mask = parallel.shard_batch((np.asarray(ids), np.asarray(mask)), mesh)
         noise = noise_of(np.asarray([seed for _, seed in padded], np.uint32))  # host values: the same on every process
         images = parallel.to_host(sampler(params, frozen, ids, mask, noise, jax.random.fold_in(jax.random.PRNGKey(s.seed), b)))

@@ -44,12 +44,13 @@ class Trained:
     alpha: float = 0.0       # the adapters' scale numerator: W + (alpha / r) a b
     whole: Any = None        # a whole-DiT run's trained params (host), or None
     meta: dict = dataclasses.field(default_factory=dict)  # the checkpoint's meta ({"step", "history"}) or {}
+    lora_path: str = ""      # the imported LoRA's path (config.policy.lora), or ""
 
     @property
     def tag(self) -> str:
         """A folder name for what was read: "base", "step_000040", "lora_<name>"."""
-        if self.source.startswith("the LoRA "):
-            return "lora_" + os.path.basename(os.path.normpath(self.source[len("the LoRA "):]))
+        if self.lora_path:
+            return "lora_" + os.path.basename(os.path.normpath(self.lora_path))
         return f"step_{self.step:06d}" if self.step else "base"
 
     def placed_dit_params(self, frozen_dit) -> dict:
@@ -130,7 +131,7 @@ def load(config, workdir: str | None, rewards_required: bool = False) -> Trained
             adapters, alpha = lora_files.read_lora(p.lora, base["dit"])
         except (lora_files.LoraFileError, FileNotFoundError) as e:
             raise ConfigError(f"config.policy.lora: {e}") from None
-        return Trained(*loaded, 0, f"the LoRA {p.lora}", adapters, alpha)
+        return Trained(*loaded, 0, f"the LoRA {p.lora}", adapters, alpha, lora_path=p.lora)
     directory = os.path.join(workdir, "checkpoints") if workdir else ""
     if not directory or not paths.exists(directory):
         if p.step > 0:
