@@ -135,7 +135,7 @@ def test_export_loads_in_diffusers_as_lora_peft_and_merged_folder_and_samples_wh
     # and every export reads back as the adapters it was written from (float32 files: exact up to alpha / r folding)
     for fmt in ("lora", "peft"):
         adapters, alpha = lora_files.read_lora(str(tmp_path / fmt), params["dit"])
-        merged = trained.merge_on_host(params["dit"], adapters, alpha)
+        merged = lora.merge(params["dit"], adapters, alpha)
         for x, y in zip(jax.tree_util.tree_leaves(merged), jax.tree_util.tree_leaves(policy.dit_params())):
             np.testing.assert_allclose(x, y, rtol=0, atol=4 * np.finfo(np.float32).eps * max(1.0, np.abs(y).max()))  # W + (a_r/r) a (s b), s = alpha/a_r folded in float32: a product rounded another way, <= 4 eps of |W|
 
@@ -174,7 +174,7 @@ def test_a_flow_grpo_peft_adapter_and_a_diffusers_lora_file_import_with_their_lo
     ours_default = lora.init_adapters(params["dit"], jax.random.PRNGKey(0), rank=4)  # our targets: flow_grpo's eight
     assert alpha == 8 and lora_files.rank_of(adapters) == 4
     assert jax.tree_util.tree_structure(adapters) == jax.tree_util.tree_structure(ours_default)  # 8 + 7 (the last block has no to_add_out)
-    ours = np.asarray(velocity(trained.merge_on_host(params["dit"], adapters, alpha))).transpose(0, 3, 1, 2)
+    ours = np.asarray(velocity(lora.merge(params["dit"], adapters, alpha))).transpose(0, 3, 1, 2)
     ref = _torch_velocity(model, *inputs)
     # the port's parity bar (PARITY, tests/test_convert.py: ~100x the measured 3-9 eps), the LoRA 100x above it
     assert _rel_err(ref, base) > 100 * PARITY and _rel_err(ours, ref) < PARITY, (_rel_err(ref, base), _rel_err(ours, ref))
@@ -198,7 +198,7 @@ def test_a_flow_grpo_peft_adapter_and_a_diffusers_lora_file_import_with_their_lo
     fresh = diffusers.SD3Transformer2DModel.from_pretrained(run["folder"], subfolder="transformer")
     fresh.load_lora_adapter(str(tmp_path / "diffusers" / lora_files.DIFFUSERS_WEIGHTS), prefix="transformer")
     ref_file = _torch_velocity(fresh, *inputs)
-    ours = np.asarray(velocity(trained.merge_on_host(params["dit"], adapters, alpha))).transpose(0, 3, 1, 2)
+    ours = np.asarray(velocity(lora.merge(params["dit"], adapters, alpha))).transpose(0, 3, 1, 2)
     assert _rel_err(ref_file, ref) > 100 * PARITY and _rel_err(ours, ref_file) < PARITY, (_rel_err(ref_file, ref), _rel_err(ours, ref_file))
 
     # and the imported LoRA is a policy: sampled through the job (with Flow-GRPO's SDE kernel), from the same field

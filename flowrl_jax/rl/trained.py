@@ -18,9 +18,6 @@ import dataclasses
 import os
 from typing import Any, Callable
 
-import flax
-import numpy as np
-
 from flowrl_jax import parallel, paths, worlds
 from flowrl_jax.checkpoint import Checkpointer
 from flowrl_jax.config_lib import ConfigError
@@ -67,18 +64,7 @@ class Trained:
             return self.whole
         if self.adapters is None:
             return self.base["dit"]
-        return merge_on_host(self.base["dit"], self.adapters, self.alpha)
-
-
-def merge_on_host(dit_params, adapters, alpha: float) -> dict:
-    """`lora.merge` in numpy, one kernel at a time (an SD3.5 DiT never has to fit one device)."""
-    flat = flax.traverse_util.flatten_dict(dict(dit_params), sep="/")
-    leaves = flax.traverse_util.flatten_dict(dict(adapters), sep="/")
-    for module in sorted({p.rsplit("/", 1)[0] for p in leaves}):
-        a, b = np.asarray(leaves[module + "/a"], np.float32), np.asarray(leaves[module + "/b"], np.float32)
-        kernel = flat[module + "/kernel"]
-        flat[module + "/kernel"] = (np.asarray(kernel, np.float32) + (alpha / a.shape[1]) * (a @ b)).astype(kernel.dtype)
-    return flax.traverse_util.unflatten_dict(flat, sep="/")
+        return lora.merge(self.base["dit"], self.adapters, self.alpha)  # numpy in, numpy out: on the host, kernel by kernel
 
 
 def output_folder(option: str, value: str, workdir: str | None, kind: str, tag: str) -> str:
