@@ -89,7 +89,9 @@ def agree_on_failure(failure: Exception | None) -> None:
 def check_prompts(weighted: Sequence[tuple[str, float]], rows) -> None:
     """ValueError when a reward of `weighted` (local or served: `remote:ocr@...`) cannot score these prompt rows."""
     for name, _ in weighted:
-        served = remote.parse(str(name)).reward if remote.is_remote(name) else str(name)
+        if remote.is_remote(name):
+            remote.check_rows(str(name), rows)  # flow_grpo's GenEval server: its metadata fields
+        served = remote.parse(str(name)).reward if remote.is_remote(name) and remote.parse(str(name)).kind == "remote" else str(name)
         if served in PROMPT_CHECKS:
             PROMPT_CHECKS[served](rows)
 
