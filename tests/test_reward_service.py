@@ -1,6 +1,7 @@
 """The reward service on loopback, real processes: our server and client (scores equal to the rewards computed here,
-bad payloads answered 4xx with the server still up, concurrent clients all answered), flow_grpo's GenEval protocol
-against a stand-in (its metadata rows passed through; a malicious pickle refused, nothing in it run), and the train
+bad payloads answered 4xx with the server still up, concurrent clients all answered), the server under each attack of
+issue 43 within its stated memory bound, flow_grpo's GenEval protocol against a stand-in (its metadata rows passed
+through; its 500 tracebacks named by their last line; a malicious pickle refused, nothing in it run), and the train
 loop on a remote reward: scoring overlapped with sampling equals scoring after it, and a server outage saves, stops
 and resumes bit-equal to an uninterrupted run."""
 import concurrent.futures
@@ -21,10 +22,13 @@ import pytest
 import requests
 from PIL import Image
 
-from flowrl_jax import main
-from flowrl_jax.jobs import train
+from benchmarks import reward_attacks
+from flowrl_jax import main, rewards
+from flowrl_jax.config_lib import ConfigError
 from flowrl_jax.data import shapes
+from flowrl_jax.jobs import train
 from flowrl_jax.rewards import image, protocol, remote
+from flowrl_jax.rl import plan
 from flowrl_jax.worlds.shapes import evaluator
 from tests.conftest import load_config
 from tests.test_train import TINY, _state
@@ -43,7 +47,8 @@ def _free_port() -> int:
 def _start(command, port, health="/health", timeout_s=120):
     """A server process on loopback, returned once `health` answers (bounded); its output goes to the test's log."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": ROOT}
-    proc = subprocess.Popen(command + ["--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    command = command + ([] if "--port" in command else ["--port", str(port)])
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -120,6 +125,12 @@ def test_bad_payloads_get_a_4xx_naming_the_problem_and_the_server_stays_up(serve
         (msgpack.packb(msgpack.ExtType(5, b"x")), 400, "extension type 5"),
         (bytes(2 << 20), 413, "over the cap"),  # 2 MB against --max_body_mb 1
         (pack(images={"dtype": "uint8", "shape": [2 ** 62, 2, 2, 3], "data": b""}), 413, "cap is 32"),  # np.prod overflows to 0
+        (pack(images={"dtype": "uint8", "shape": [True, 8, 8, 3], "data": bytes(192)}), 400, r"shape must be"),  # bool is int
+        (pack(images={"dtype": "uint8", "shape": [2, 0, 0, 3], "data": b""}), 400, "every side must be at least 1"),
+        (pack(version=True), 400, "version True is not supported"),
+        (pack(prompts=[{"prompt": msgpack.Timestamp(0)}, "b"]), 400, "extension type -1"),
+        (pack(prompts=[[[[[[[[[[[[[[[[["deep"]]]]]]]]]]]]]]]], "b"]), 400, "nests msgpack containers over 16 deep"),
+        (pack()[:-3], 400, "not msgpack"),
     ]
     for body, status, message in cases:
         answer = _post(server, body)
@@ -160,25 +171,109 @@ def test_client_errors_name_the_server(server):
             remote.parse(bad)
 
 
+# ------------------------------------------------------------------------------------------ the server attacked
+JPEG_REWARD_BYTES_PER_PIXEL = 28  # what jpeg_compressibility allocates past the server's own: to_uint8 keeps two float32
+# temporaries of the images alive at once (24 bytes a pixel), and PIL's copy of the image being encoded (4)
+
+
+@pytest.fixture(scope="module")
+def attacked(tmp_path_factory):
+    caps = reward_attacks.Caps(token="s3cret-token")
+    port, log = _free_port(), tmp_path_factory.mktemp("attacked") / "requests.jsonl"
+    proc = _start(caps.command(port, str(log)), port)
+    yield caps, f"http://127.0.0.1:{port}", proc, log
+    _stop(proc)
+
+
+def test_each_attack_is_answered_within_the_stated_memory_bound(attacked):
+    """Issue 43's attacks at small caps: each gets the answer it should, /health answers all along, and the server's peak
+    RSS during each stays within `protocol.worst_case_bytes` of its flags plus the reward's own working memory."""
+    caps, url, proc, log = attacked
+    reward_attacks.warm_up(url, caps)
+    idle = reward_attacks.rss(proc.pid)
+    allowed = caps.bound() + JPEG_REWARD_BYTES_PER_PIXEL * caps.max_pixels
+    P, C = caps.max_pending, caps.max_connections
+    expected = {"held_uploads": {408: P, 503: 4 * P}, "png_pixel_bomb": {413: 1}, "object_nest": {413: 1}, "legal_batch": {200: P},
+                "repeated_names": {200: 1}, "slow_body": {408: 1}, "gone_client": {200: 1}}
+    for name, fn in reward_attacks.ATTACKS.items():
+        result = reward_attacks.attack(fn, url, caps, proc.pid)
+        if name == "idle_connections":  # 4 C opened: at most C - 1 of ours left open beside the /health poller's
+            assert result["statuses"].get(1, 0) <= C and result["statuses"].get(0, 0) >= 3 * C, result
+        else:
+            assert result["statuses"] == expected[name], (name, result["statuses"])
+        assert result["health_ms"] and max(result["health_ms"]) < 5000, (name, "/health failed during the attack")  # answered
+        assert result["peak_bytes"] - idle <= allowed, (name, (result["peak_bytes"] - idle) / 2 ** 20, allowed / 2 ** 20)
+    lines = [json.loads(line) for line in open(log)]
+    assert lines[-1]["skipped"] == "the client closed the connection before its batch ran"  # gone_client's second batch
+    assert [line["rewards"] for line in lines if line["rows"] == 1] == [[reward_attacks.REWARD]] * 2  # 4096 names: once; gone's first
+
+
+def test_the_token_is_checked_before_anything_else(attacked, monkeypatch):
+    caps, url, _, _ = attacked
+    pixels = np.zeros((1, 8, 8, 3), np.float32)
+    over_cap = requests.post(url + protocol.SCORE_PATH, data=b"x", timeout=10,
+                             headers={"Content-Type": protocol.CONTENT_TYPE, "Content-Length": str(1 << 40)})
+    assert over_cap.status_code == 401  # before the size, the content, the admission
+    monkeypatch.setenv(remote.TOKEN_ENV, "wrong")
+    with pytest.raises(remote.RewardServerError, match=f"HTTP 401: .*set {remote.TOKEN_ENV} to the server's --token") as refused:
+        remote.build(f"remote:{reward_attacks.REWARD}@{url}")(pixels, ["p"])
+    assert not refused.value.retryable
+    monkeypatch.setenv(remote.TOKEN_ENV, caps.token)
+    np.testing.assert_array_equal(remote.build(f"remote:{reward_attacks.REWARD}@{url}")(pixels, ["p"]),
+                                  image.jpeg_compressibility(pixels, None))
+
+
 # ------------------------------------------------------------------------------------- flow_grpo's reward-server
-def test_flow_grpo_geneval_protocol_against_a_standin_with_metadata_passed_through(tmp_path):
-    port, log = _free_port(), tmp_path / "metadata.jsonl"
-    proc = _start(STANDIN + ["--log", str(log)], port)
-    try:
-        images, rows = _scenes(6, seed=1)
-        rows = [{**r, "tag": r["category"], "include": [{"class": "circle", "count": 1}]} for r in rows]  # GenEval's fields
-        got = remote.build(f"flow_grpo:geneval@http://127.0.0.1:{port}", {"batch_size": 4})(images, rows)
-    finally:
-        _stop(proc)
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory):
+    """One stand-in for flow_grpo's GenEval server: / scores (logging the rows), /malicious, /huge, /status/CODE."""
+    folder, port = tmp_path_factory.mktemp("standin"), _free_port()
+    proc = _start(STANDIN + ["--log", str(folder / "metadata.jsonl"), "--malicious", str(folder / "pwned")], port)
+    yield f"http://127.0.0.1:{port}", folder
+    _stop(proc)
+
+
+def _geneval_rows(rows):
+    return [{**r, "tag": r["category"], "include": [{"class": "circle", "count": 1}]} for r in rows]  # GenEval's fields
+
+
+def test_flow_grpo_geneval_protocol_against_a_standin_with_metadata_passed_through(standin):
+    url, folder = standin
+    images, rows = _scenes(6, seed=1)
+    rows = _geneval_rows(rows)
+    got = remote.build(f"flow_grpo:geneval@{url}", {"batch_size": 4})(images, rows)
     # What that server scores: flow_grpo's JPEG (PIL's default quality) of the 8-bit images, decoded again
     jpegs = [Image.open(io.BytesIO(b)).convert("RGB") for b in remote._jpegs(image.to_uint8(images))]
     expected = evaluator.evaluate(np.stack([np.asarray(j) for j in jpegs]).astype(np.float32) / 127.5 - 1.0,
                                     [r["spec"] for r in rows])["score"]
     np.testing.assert_array_equal(got, expected)
-    assert [json.loads(line) for line in open(log)] == json.loads(json.dumps(rows))  # every row whole, in order
+    assert [json.loads(line) for line in open(folder / "metadata.jsonl")] == json.loads(json.dumps(rows))  # whole, in order
 
 
-def test_a_malicious_pickle_is_refused_and_nothing_in_it_runs(tmp_path):
+def test_flow_grpo_failures_name_their_cause_and_say_whether_to_wait(standin, smoke_base):
+    """A 500 names the exception (a traceback's last line) and exits 2; a 504 exits 75; an answer longer than scores for
+    its rows is refused; rows the GenEval server cannot read are refused when the config is validated."""
+    url, _ = standin
+    images, rows = _scenes(2)
+    with pytest.raises(remote.RewardServerError, match=r"HTTP 500: .*KeyError: 'tag'$") as failed:
+        remote.build(f"flow_grpo:geneval@{url}")(images, rows)  # shapes rows: no GenEval tag
+    assert not failed.value.retryable
+    with pytest.raises(remote.RewardServerError, match=r"HTTP 504: \.\.\..*TimeoutError: the detector took too long$") as slow:
+        remote.build(f"flow_grpo:geneval@{url}/status/504")(images, _geneval_rows(rows))
+    assert slow.value.retryable  # main: exit 75, rerun later
+    with pytest.raises(remote.RewardServerError, match=f"the answer is over {remote.answer_cap(2)} bytes"):
+        remote.build(f"flow_grpo:geneval@{url}/huge")(np.zeros((2, 8, 8, 3), np.float32), _geneval_rows(rows))
+    with pytest.raises(ValueError, match=r"2 of 3 prompt rows cannot be scored .* row 1 has no \['tag', 'include'\]"):
+        rewards.check_prompts([(f"flow_grpo:geneval@{url}", 1.0)], _geneval_rows(rows[:1]) + rows)
+    with pytest.raises(ValueError, match=r"include\[1\].position"):
+        rewards.check_prompts([(f"flow_grpo:geneval@{url}", 1.0)], [{"tag": "position", "prompt": "p", "include": [
+            {"class": "cat", "count": 1}, {"class": "dog", "count": 1, "position": ["left of", 1]}]}])
+    config = load_config("configs/flow_grpo.py", **{"world.base": smoke_base, **TINY, "train.rewards": ((f"flow_grpo:geneval@{url}", 1.0),)})
+    with pytest.raises(ConfigError, match="cannot be scored by flow_grpo's GenEval server"):
+        plan.make_plan(config)  # before any sampling
+
+
+def test_a_malicious_pickle_is_refused_and_nothing_in_it_runs(standin, tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from flow_grpo_standin import Hostile
 
@@ -197,14 +292,10 @@ def test_a_malicious_pickle_is_refused_and_nothing_in_it_runs(tmp_path):
         remote.safe_loads(b"\x80\x04\x8e" + (64 << 30).to_bytes(8, "little") + b"x.")
     assert remote.safe_loads(pickle.dumps({"scores": [0.5, 1], "group_rewards": {"a": (1.0, None)}})) == \
         {"scores": [0.5, 1], "group_rewards": {"a": (1.0, None)}}
-    port = _free_port()
-    proc = _start(STANDIN + ["--malicious", str(target)], port)
-    try:
-        with pytest.raises(remote.RewardServerError, match="not a plain pickle .*refused"):
-            remote.build(f"flow_grpo:geneval@http://127.0.0.1:{port}")(np.zeros((2, 8, 8, 3), np.float32), [{"spec": {}}] * 2)
-    finally:
-        _stop(proc)
-    assert not target.exists()
+    url, folder = standin
+    with pytest.raises(remote.RewardServerError, match="not a plain pickle .*refused"):
+        remote.build(f"flow_grpo:geneval@{url}/malicious")(np.zeros((2, 8, 8, 3), np.float32), [{"spec": {}}] * 2)
+    assert not (folder / "pwned").exists()
 
 
 # ------------------------------------------------------------------------------------------------- the train loop

@@ -145,6 +145,8 @@ def make_app(scorers: dict[str, Callable], limits: protocol.Limits = protocol.Li
                 return answer(408, f"the body did not arrive within --body_timeout_s {body_timeout_s:g}")
             except protocol.ProtocolError as e:
                 return answer(e.status, str(e))
+            except ConnectionError:  # the client left mid-body: nobody to answer
+                return answer(499, GONE)
             loop, began, stop = asyncio.get_running_loop(), asyncio.Event(), threading.Event()
 
             def on_start():
