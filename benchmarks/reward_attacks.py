@@ -1,22 +1,28 @@
 """Hostile clients of the reward server (`flowrl_jax.rewards.serve`), one per finding of issue 43, and the server's
-memory while each runs: shared by `benchmarks/reward_service.py` (the table in docs/rewards.md) and
-`tests/test_reward_service.py` (the bound, at small caps).
+memory while each runs: the benchmark (run as a script: the table in docs/rewards.md) and `tests/test_reward_service.py`
+(the bound, at small caps) share them.
+
+    python benchmarks/reward_attacks.py [--out benchmarks/results/reward_attacks.json]    # the server's default caps
 
     caps = Caps(max_batch=8, max_pixels=8 * 128 * 128, max_body_bytes=1 << 20, max_pending=2, max_connections=16)
     proc = subprocess.Popen(caps.command("jpeg_compressibility", port))   # the server under attack
     result = attack(ATTACKS["held_uploads"], url, caps, proc.pid)          # statuses, peak memory, /health meanwhile
 
 Each attack returns the HTTP statuses it got (0: the server closed the connection without an answer). `attack` resets
-the server's peak-RSS counter (/proc/PID/clear_refs), runs it while a thread polls `/health` on fresh connections,
-and reads the peak (VmHWM): the memory it cost is the peak minus the idle RSS measured before any attack.
+the server's peak-RSS counter (/proc/PID/clear_refs), runs it while another process polls `/health` on fresh
+connections (`HealthPoller`), and reads the peak (VmHWM): the memory it cost is the peak minus the idle RSS measured before any attack.
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import dataclasses
 import io
+import json
 import math
+import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -27,7 +33,10 @@ import numpy as np
 import requests
 from PIL import Image
 
-from flowrl_jax.rewards import protocol
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from flowrl_jax.rewards import protocol, remote  # noqa: E402
 
 REWARD = "jpeg_compressibility"
 
@@ -108,10 +117,12 @@ def _largest_batch(caps: Caps) -> np.ndarray:
 def held_uploads(url: str, caps: Caps) -> list[int]:
     """5 P uploads of a body at the size cap, all but its last byte sent, then held: P are admitted and time out (408),
     the others are turned away before their bodies are read (503)."""
+    body = _head(caps.max_body_bytes, caps) + bytes(caps.max_body_bytes - 1)
+
     def one(_):
         sock = _connect(url, caps.body_timeout_s + 10)
         with sock:
-            _send(sock, _head(caps.max_body_bytes, caps) + bytes(caps.max_body_bytes - 1))
+            _send(sock, body)
             return _status(sock)
     return _parallel(one, 5 * caps.max_pending)
 
@@ -165,10 +176,10 @@ def slow_body(url: str, caps: Caps) -> list[int]:
         return [_status(sock)]
 
 
-def idle_connections(url: str, caps: Caps, count: int | None = None) -> list[int]:
-    """`count` (4 C) connections opened and left silent: the server keeps at most C open, closing the oldest idle ones
-    (status 0 for each closed, 1 for each still open after 2 s)."""
-    count = count or 4 * caps.max_connections
+def idle_connections(url: str, caps: Caps) -> list[int]:
+    """max(4 C, 1100) connections opened and left silent (1100: past the usual 1024 file descriptors): the server keeps
+    at most C open, closing the oldest idle ones (status 0 for each closed, 1 for each still open after 1 s)."""
+    count = max(4 * caps.max_connections, 1100)
     socks = []
     for _ in range(count):
         try:
@@ -250,21 +261,60 @@ def warm_up(url: str, caps: Caps) -> None:
     requests.get(url + protocol.HEALTH_PATH, timeout=5)
 
 
-def attack(fn: Callable, url: str, caps: Caps, pid: int, honest: Callable | None = None) -> dict:
-    """Run one attack with `/health` polled on fresh connections every 20 ms (and `honest()` called in a loop, when given)
-    -> {statuses, seconds, peak_bytes (VmHWM during it), health_ms (each poll; inf when it failed), honest_ms}."""
-    reset_peak(pid)
-    done, health_ms, honest_ms = threading.Event(), [], []
-
-    def poll():
-        while not done.is_set():
+POLL = """
+import json, sys, threading, time, requests
+url, on, lock, out = sys.argv[1], threading.Event(), threading.Lock(), []
+def poll():
+    while True:
+        on.wait()
+        with lock:
             t = time.perf_counter()
             try:
-                ok = requests.get(url + protocol.HEALTH_PATH, timeout=5).status_code == 200
+                ok = requests.get(url, timeout=5).status_code == 200
             except requests.RequestException:
                 ok = False
-            health_ms.append(1e3 * (time.perf_counter() - t) if ok else math.inf)
-            done.wait(0.02)
+            out.append(1e3 * (time.perf_counter() - t) if ok else -1.0)
+        time.sleep(0.02)
+threading.Thread(target=poll, daemon=True).start()
+for line in sys.stdin:
+    if line.strip() == "start":
+        with lock:
+            out.clear()
+        on.set()
+    else:
+        on.clear()
+        with lock:
+            print(json.dumps(out), flush=True)
+"""
+
+
+class HealthPoller:
+    """GET /health on a fresh connection every 20 ms from its own process (so the attackers' threads do not delay the
+    measurement): `start()`, then `stop()` -> the latencies in ms (inf for a poll that failed)."""
+
+    def __init__(self, url: str):
+        self.proc = subprocess.Popen([sys.executable, "-c", POLL, url + protocol.HEALTH_PATH], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def start(self) -> None:
+        self.proc.stdin.write("start\n")
+        self.proc.stdin.flush()
+
+    def stop(self) -> list[float]:
+        self.proc.stdin.write("stop\n")
+        self.proc.stdin.flush()
+        return [math.inf if v < 0 else v for v in json.loads(self.proc.stdout.readline())]
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def attack(fn: Callable, url: str, caps: Caps, pid: int, poller: HealthPoller, honest: Callable | None = None) -> dict:
+    """Run one attack while `poller` polls /health (and two threads call `honest()` in a loop, when given) -> {statuses,
+    seconds, peak_bytes (VmHWM during it), health_ms (each poll; inf when it failed), honest_ms}."""
+    reset_peak(pid)
+    done, honest_ms = threading.Event(), []
 
     def client():
         while not done.is_set():
@@ -272,7 +322,8 @@ def attack(fn: Callable, url: str, caps: Caps, pid: int, honest: Callable | None
             honest()
             honest_ms.append(1e3 * (time.perf_counter() - t))
 
-    threads = [threading.Thread(target=poll)] + ([threading.Thread(target=client) for _ in range(2)] if honest else [])
+    threads = [threading.Thread(target=client) for _ in range(2)] if honest else []
+    poller.start()
     for t in threads:
         t.start()
     start = time.perf_counter()
@@ -280,8 +331,65 @@ def attack(fn: Callable, url: str, caps: Caps, pid: int, honest: Callable | None
         statuses = fn(url, caps)
     finally:
         seconds = time.perf_counter() - start
+        time.sleep(0.1)  # a poll or two after the attack's last answer
+        health_ms = poller.stop()
         done.set()
         for t in threads:
             t.join()
     return {"statuses": dict(sorted(collections.Counter(statuses).items())), "seconds": seconds, "peak_bytes": rss(pid, "VmHWM"),
             "health_ms": health_ms, "honest_ms": honest_ms}
+
+
+# ------------------------------------------------------------------------------------------ the benchmark
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--body_timeout_s", type=float, default=5.0, help="shorter than the server's 60 s: the run stays short")
+    p.add_argument("--out", default="benchmarks/results/reward_attacks.json")
+    args = p.parse_args()
+    limits = protocol.Limits()
+    caps = Caps(max_batch=limits.max_batch, max_pixels=limits.max_pixels, max_body_bytes=limits.max_body_bytes, max_pending=8,
+                max_connections=64, body_timeout_s=args.body_timeout_s, delay_s=0.2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(caps.command(port), cwd=ROOT, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if requests.get(url + protocol.HEALTH_PATH, timeout=1).ok:
+                    break
+            except requests.ConnectionError:
+                time.sleep(0.2)
+        warm_up(url, caps)
+        idle = rss(proc.pid)
+        reward = remote.build(f"remote:{REWARD}@{url}", {"deadline_s": 600})
+        batch = np.random.default_rng(1).uniform(-1, 1, (4, 32, 32, 3)).astype(np.float32)
+        honest = lambda: reward(batch, ["p"] * 4)  # noqa: E731
+        rows, poller = {}, HealthPoller(url)
+        for name, fn in ATTACKS.items():
+            r = attack(fn, url, caps, proc.pid, poller, honest)
+            health, served = np.asarray(r["health_ms"]), np.asarray(r["honest_ms"] or [math.nan])
+            failed, health = int(np.isinf(health).sum()), health[np.isfinite(health)]
+            rows[name] = {"doc": fn.__doc__.split("\n\n")[0].replace("\n", " ").replace("    ", " "), "statuses": r["statuses"],
+                          "seconds": r["seconds"], "peak_mib": (r["peak_bytes"] - idle) / 2 ** 20,
+                          "health_max_ms": float(health.max()), "health_p99_ms": float(np.percentile(health, 99)),
+                          "health_polls": int(health.size) + failed, "health_failed": failed, "honest_p50_ms": float(np.percentile(served, 50)),
+                          "honest_p99_ms": float(np.percentile(served, 99)), "honest_requests": len(r["honest_ms"])}
+            print(f"{name:18s} {r['statuses']} peak +{rows[name]['peak_mib']:.0f} MiB, /health max {rows[name]['health_max_ms']:.1f} ms, "
+                  f"({failed} failed), honest p50/p99 {rows[name]['honest_p50_ms']:.0f}/{rows[name]['honest_p99_ms']:.0f} ms", flush=True)
+        poller.close()
+    finally:
+        proc.kill()
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from machine import describe
+    result = {"caps": dataclasses.asdict(caps) | {"token": None}, "idle_mib": idle / 2 ** 20, "bound_mib": caps.bound() / 2 ** 20,
+              "reward": REWARD, "attacks": rows, "env": describe()}
+    print(f"bound {result['bound_mib']:.0f} MiB past idle ({result['idle_mib']:.0f} MiB) plus the reward's own")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

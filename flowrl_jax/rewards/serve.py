@@ -59,6 +59,9 @@ def load_scorers(names: list[str], models: dict) -> dict[str, Callable]:
 
 TOKEN_ENV = "FLOWRL_REWARD_TOKEN"  # the shared token, for the server (or --token) and the client alike
 GONE = "the client closed the connection before its batch ran"
+LINGER_S = 0.0  # after refusing a request whose body is still coming, close at once (aiohttp reads and drops it for
+# 10 s by default): the refusal is written first; a client still sending may see a reset instead, which ours retries
+# as it retries a 503. Measured: 40 held 64 MB uploads, /health max 392 ms lingering 1 s, 227 ms closing at once.
 
 
 class Service:
@@ -221,7 +224,7 @@ def cap_connections(server: web.Server, max_connections: int, busy: set) -> None
 def run(app: web.Application, host: str, port: int, max_connections: int, banner: str) -> None:
     """Serve `app` until SIGINT or SIGTERM, at most `max_connections` open."""
     async def serve():
-        runner = web.AppRunner(app, access_log=None)
+        runner = web.AppRunner(app, access_log=None, lingering_time=LINGER_S)
         await runner.setup()
         cap_connections(runner.server, max_connections, app["service"].busy)
         await web.TCPSite(runner, host, port, backlog=max(128, max_connections)).start()
