@@ -554,6 +554,24 @@ def render_reward_service(src: Source) -> str:
                         provenance(src, "python benchmarks/reward_service.py", machine())])
 
 
+def render_reward_attacks(src: Source) -> str:
+    d, c = src.data, src.data["caps"]
+    rows = [[f"`{name}`", " ".join(a["doc"].split()), ", ".join(f"{n} x {'closed' if int(k) == 0 else 'open' if int(k) == 1 else k}"
+                                              for k, n in a["statuses"].items()),
+             f"{a['peak_mib']:.0f}", f"{a['health_p99_ms']:.0f} / {a['health_max_ms']:.0f}"
+             + (f" ({a['health_failed']} of {a['health_polls']} failed)" if a["health_failed"] else ""),
+             f"{a['honest_p50_ms']:.0f} / {a['honest_p99_ms']:.0f}"] for name, a in d["attacks"].items()]
+    note = (f"Caps: the server's defaults (`--max_pending {c['max_pending']}`, `--max_body_mb {c['max_body_bytes'] / 2 ** 20:g}`, "
+            f"`--max_pixels {c['max_pixels']}`, `--max_batch {c['max_batch']}`, `--max_connections {c['max_connections']}`) but "
+            f"`--body_timeout_s {c['body_timeout_s']:g}` and `--delay_s {c['delay_s']:g}`, serving `{d['reward']}`. Bound past the "
+            f"idle server ({d['idle_mib']:.0f} MiB): {d['bound_mib']:.0f} MiB, plus the reward's own on one batch "
+            f"(`{d['reward']}`: 28 bytes a pixel, {28 * c['max_pixels'] / 2 ** 20:.0f} MiB). Peak: VmHWM past idle during the "
+            "attack. /health: GET on a fresh connection every 20 ms from its own process. Honest: two threads of our client "
+            "scoring 4 images of 32 x 32 in a loop, retries included. One run, attacker and server on the same machine.")
+    return "\n\n".join([table(["attack", "what it does", "answers", "peak MiB", "/health p99 / max ms", "honest p50 / p99 ms"], rows),
+                        note, provenance(src, "python benchmarks/reward_attacks.py", machine(d.get("env")))])
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Scale-out
 
@@ -710,6 +728,7 @@ REPORTS = {  # block name -> (results file or folder, relative to the repository
     "text_cache": (R + "text_cache.json", render_text_cache),
     "reward_throughput": (R + "reward_throughput.json", render_reward_throughput),
     "reward_service": (R + "reward_service.json", render_reward_service),
+    "reward_attacks": (R + "reward_attacks.json", render_reward_attacks),
     "memory_plan": (R + "memory_plan.json", render_memory_plan),
     "memory_plan_leapalign": (R + "memory_plan.json", render_memory_plan_leapalign),
     "frozen_dit_traffic": (R + "frozen_dit_traffic.json", render_frozen_dit_traffic),
