@@ -64,13 +64,13 @@ CONNECTION_BYTES = 512 << 10  # an open connection: asyncio's 256 KiB read, aioh
 
 def worst_case_bytes(limits: Limits, max_pending: int, max_connections: int) -> int:
     """The server's worst-case memory above its idle footprint, not counting what the rewards themselves allocate on
-    one batch (docs/rewards.md, "Bounds"): (P + 1) B + 15 M + 12 min(S^2, M) + 128 O + C x 512 KiB, where P admitted
+    one batch (docs/rewards.md, "Bounds"): (P + 1) B + 15 M + 12 min(S^2, M) + 128 O + (4 C + 128) x 512 KiB, where P admitted
     requests each hold a body of at most B bytes, the one being scored also its unpacked copy (B) and pixels (uint8 3 M
     and the float32 images 12 M bytes for M pixels), the PNG being decoded up to 12 bytes per pixel (PIL's 4-byte
-    pixels twice and the array), O msgpack objects and C connections."""
+    pixels twice and the array), O msgpack objects and up to 4 C + 128 connections (C = --max_connections; past C for 0.1 s at most, serve.Doorman)."""
     B, M, S = limits.max_body_bytes, limits.max_pixels, limits.max_side
     return ((max_pending + 1) * B + 15 * M + 12 * min(S * S, M) + OBJECT_BYTES * limits.max_objects
-            + max_connections * CONNECTION_BYTES)
+            + (4 * max_connections + 128) * CONNECTION_BYTES)
 
 
 @dataclasses.dataclass

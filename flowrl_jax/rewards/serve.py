@@ -17,8 +17,8 @@ FLOWRL_REWARD_TOKEN turns away requests without `Authorization: Bearer TOKEN`, c
 Batches are decoded and scored one at a time on one worker thread, in arrival order (the event loop only reads bodies
 and answers, so `/health` stays quick); each reward name is scored once; a batch whose client has gone is not scored,
 and one past `--timeout_s` stops at its next reward. `--timeout_s` counts from a batch's start, not its wait in the
-queue. At most `--max_connections` are open: a new one past the cap closes the oldest that is not in an admitted
-request (idle keep-alives, slow headers). Memory: `protocol.worst_case_bytes` (docs/rewards.md, "Bounds"), printed at
+queue. At most `--max_connections` stay open (`Doorman`): past the cap the idle ones close first (never one in an
+admitted request), and up to 4 times the cap + 128 may be open for 0.1 s while new ones show whether they are idle. Memory: `protocol.worst_case_bytes` (docs/rewards.md, "Bounds"), printed at
 start. `--delay_s` adds that much to each batch (a slow model's stand-in, for benchmarks and tests); `--log FILE`
 appends one JSON line per request that reached the worker.
 """
@@ -30,6 +30,7 @@ import concurrent.futures
 import hmac
 import ipaddress
 import json
+import math
 import os
 import signal
 import sys
@@ -204,35 +205,88 @@ async def read_body(request: web.Request, length: int) -> bytearray:
     return body
 
 
-def cap_connections(server: web.Server, max_connections: int, busy: set) -> None:
-    """At most `max_connections` open: a new connection past the cap closes the oldest one not in an admitted request
-    (an idle keep-alive, a slow header, a request already answered), or itself when every one is admitted."""
-    made = server.connection_made
+GRACE_S = 0.1  # a new connection's time to send its first bytes before it may count as idle
 
-    def connection_made(handler, transport):
-        made(handler, transport)
-        open_ = [h for h in server.connections if h.transport is not None]
-        for old in [h for h in open_ if h not in busy and h is not handler][:max(0, len(open_) - max_connections)]:
-            old.force_close()
-            open_.remove(old)
-        if len(open_) > max_connections:
-            handler.force_close()
 
-    server.connection_made = connection_made
+class Door(asyncio.Protocol):
+    """One connection: aiohttp's handler for it, and when it last sent bytes (the `Doorman` closes idle ones first)."""
+
+    def __init__(self, doorman: "Doorman"):
+        self.doorman, self.handler, self.last_data, self.opened = doorman, doorman.factory(), -math.inf, math.inf
+
+    def connection_made(self, transport):
+        self.opened = self.doorman.loop.time()
+        self.handler.connection_made(transport)
+        self.doorman.arrived(self)
+
+    def data_received(self, data):
+        self.last_data = self.doorman.loop.time()
+        self.handler.data_received(data)
+
+    def eof_received(self):
+        return self.handler.eof_received()
+
+    def connection_lost(self, exc):
+        self.doorman.open.pop(self, None)
+        self.handler.connection_lost(exc)
+
+    def pause_writing(self):
+        self.handler.pause_writing()
+
+    def resume_writing(self):
+        self.handler.resume_writing()
+
+    def close(self):
+        self.doorman.open.pop(self, None)
+        self.handler.force_close()
+
+
+class Doorman:
+    """The protocol factory that caps connections: at most `cap` stay open, up to `ceiling` (4 `cap` + 128) for GRACE_S
+    while new ones show whether they are idle. Past the cap the idle close first: those that never sent a byte (oldest
+    first), then the least recently active; never one in an admitted request (`busy`) nor, below the ceiling, one
+    younger than GRACE_S (a /health client whose request is not read yet: an accept burst is up to 128)."""
+
+    def __init__(self, factory: web.Server, cap: int, busy: set):
+        self.factory, self.cap, self.ceiling, self.busy, self.open, self.sweep = factory, cap, ceiling(cap), busy, {}, None
+        self.loop = asyncio.get_running_loop()
+
+    def __call__(self) -> Door:
+        return Door(self)
+
+    def arrived(self, door: Door) -> None:
+        self.open[door] = None
+        self.make_room()
+
+    def make_room(self) -> None:
+        self.sweep, now = None, self.loop.time()
+        idle = sorted((d for d in self.open if d.handler not in self.busy), key=lambda d: (d.last_data, d.opened))
+        settled = [d for d in idle if now - d.opened >= GRACE_S]
+        for door in settled[:max(0, len(self.open) - self.cap)] + idle[:max(0, len(self.open) - self.ceiling)]:
+            if door in self.open and (len(self.open) > self.ceiling or door in settled and len(self.open) > self.cap):
+                door.close()
+        if len(self.open) > self.cap and self.sweep is None:
+            self.sweep = self.loop.call_later(GRACE_S, self.make_room)
+
+
+def ceiling(max_connections: int) -> int:
+    """The most connections open at once (for GRACE_S): `protocol.worst_case_bytes` counts this many."""
+    return 4 * max_connections + 128
 
 
 def run(app: web.Application, host: str, port: int, max_connections: int, banner: str) -> None:
-    """Serve `app` until SIGINT or SIGTERM, at most `max_connections` open."""
+    """Serve `app` until SIGINT or SIGTERM, its connections capped by a `Doorman`."""
     async def serve():
         runner = web.AppRunner(app, access_log=None, lingering_time=LINGER_S)
         await runner.setup()
-        cap_connections(runner.server, max_connections, app["service"].busy)
-        await web.TCPSite(runner, host, port, backlog=max(128, max_connections)).start()
+        doorman = Doorman(runner.server, max_connections, app["service"].busy)
+        server = await asyncio.get_running_loop().create_server(doorman, host, port, backlog=max(128, max_connections))
         print(banner, flush=True)
         stopped = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stopped.set)
         await stopped.wait()
+        server.close()
         await runner.cleanup()
 
     asyncio.run(serve())
@@ -245,11 +299,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-MEMORY_HELP = """Memory: at most (P + 1) B + 15 M + 12 min(S^2, M) + 128 O + C x 512 KiB above the idle server, plus what the
+MEMORY_HELP = """Memory: at most (P + 1) B + 15 M + 12 min(S^2, M) + 128 O + (4 C + 128) x 512 KiB above the idle server, plus what the
 rewards allocate on one batch: P --max_pending requests each hold a body of at most B --max_body_mb; the one being scored
 also its unpacked copy (B), its pixels as uint8 (3 M) and float32 (12 M bytes, M = --max_pixels), the PNG being decoded
-(12 bytes per pixel, S = 2048 per side), its msgpack objects (O = 64 + 256 x --max_batch, 128 bytes each); C =
---max_connections open connections. The bound for the flags given is printed at start (docs/rewards.md, "Bounds")."""
+(12 bytes per pixel, S = 2048 per side), its msgpack objects (O = 64 + 256 x --max_batch, 128 bytes each); 4 C + 128
+connections open at most (for 0.1 s), C = --max_connections. The bound for the flags given is printed at start (docs/rewards.md, "Bounds")."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
