@@ -567,7 +567,9 @@ def render_reward_attacks(src: Source) -> str:
             f"idle server ({d['idle_mib']:.0f} MiB): {d['bound_mib']:.0f} MiB, plus the reward's own on one batch "
             f"(`{d['reward']}`: 28 bytes a pixel, {28 * c['max_pixels'] / 2 ** 20:.0f} MiB). Peak: VmHWM past idle during the "
             "attack. /health: GET on a fresh connection every 20 ms from its own process. Honest: two threads of our client "
-            "scoring 4 images of 32 x 32 in a loop, retries included. One run, attacker and server on the same machine.")
+            "scoring 4 images of 32 x 32 in a loop, retries included. One run, attacker and server on the same machine, the "
+            f"server at nice {d.get('server_nice', 0)} so the attacker does not take its cores (at equal priority on this 2-core "
+            "machine /health's worst poll was 413 ms during the held uploads and 253 ms during the legal batches, one run each).")
     return "\n\n".join([table(["attack", "what it does", "answers", "peak MiB", "/health p99 / max ms", "honest p50 / p99 ms"], rows),
                         note, provenance(src, "python benchmarks/reward_attacks.py", machine(d.get("env")))])
 
