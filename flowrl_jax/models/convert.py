@@ -26,6 +26,7 @@ import ml_dtypes
 import numpy as np
 import safetensors.numpy
 
+from flowrl_jax.models.flux import Flux
 from flowrl_jax.models.mmdit import MMDiT, sincos_pos_embed_2d
 
 HPARAMS = (
@@ -36,15 +37,27 @@ HPARAMS = (
 _POS_TABLE_KEY = "pos_embed.pos_embed"
 
 # Our path (with "/") -> diffusers key prefix, applied in order; then "/" -> ".".
+_LAYERS_TO_DIFFUSERS = (
+    (r"/to_out/", "/to_out.0/"),
+    (r"/(ff|ff_context)/fc1/", r"/\1.net.0.proj/"),
+    (r"/(ff|ff_context)/fc2/", r"/\1.net.2/"),
+    (r"/(kernel|scale)$", "/weight"),
+)
 _FLAX_TO_DIFFUSERS = (
     (r"^pos_embed_proj/", "pos_embed.proj/"),
     (r"^time_linear_(\d)/", r"time_text_embed.timestep_embedder.linear_\1/"),
     (r"^text_linear_(\d)/", r"time_text_embed.text_embedder.linear_\1/"),
     (r"^transformer_blocks_(\d+)/", r"transformer_blocks.\1/"),
-    (r"/to_out/", "/to_out.0/"),
-    (r"/(ff|ff_context)/fc1/", r"/\1.net.0.proj/"),
-    (r"/(ff|ff_context)/fc2/", r"/\1.net.2/"),
-    (r"/(kernel|scale)$", "/weight"),
+) + _LAYERS_TO_DIFFUSERS
+_FLUX_TO_DIFFUSERS = (
+    (r"^time_linear_(\d)/", r"time_text_embed.timestep_embedder.linear_\1/"),
+    (r"^guidance_linear_(\d)/", r"time_text_embed.guidance_embedder.linear_\1/"),
+    (r"^text_linear_(\d)/", r"time_text_embed.text_embedder.linear_\1/"),
+    (r"^(single_transformer_blocks|transformer_blocks)_(\d+)/", r"\1.\2/"),
+) + _LAYERS_TO_DIFFUSERS
+FLUX_HPARAMS = (
+    "patch_size", "in_channels", "out_channels", "num_layers", "num_single_layers", "attention_head_dim",
+    "num_attention_heads", "joint_attention_dim", "pooled_projection_dim", "guidance_embeds", "axes_dims_rope",
 )
 
 
@@ -52,12 +65,34 @@ class ConversionError(ValueError):
     """The weights do not fit the model: lists every unknown, missing or mis-shaped key."""
 
 
-def diffusers_key(flax_path: str) -> str:
+def diffusers_key(flax_path: str, table=_FLAX_TO_DIFFUSERS) -> str:
     """'transformer_blocks_0/ff/fc1/kernel' -> 'transformer_blocks.0.ff.net.0.proj.weight'."""
     key = flax_path
-    for pattern, repl in _FLAX_TO_DIFFUSERS:
+    for pattern, repl in table:
         key = re.sub(pattern, repl, key)
     return key.replace("/", ".")
+
+
+def flux_key(flax_path: str) -> str:
+    """'single_transformer_blocks_3/attn/norm_q/scale' -> 'single_transformer_blocks.3.attn.norm_q.weight'."""
+    return diffusers_key(flax_path, _FLUX_TO_DIFFUSERS)
+
+
+def flux_from_config(config: Mapping[str, Any], **overrides) -> Flux:
+    """A `Flux` from a diffusers `FluxTransformer2DModel` config.json dict (keys starting with '_' are metadata)."""
+    unknown = sorted(k for k in config if not k.startswith("_") and k not in FLUX_HPARAMS)
+    if unknown:
+        raise ConversionError(f"config.json has keys Flux does not know: {unknown}; known: {list(FLUX_HPARAMS)}")
+    kwargs = {k: v for k, v in config.items() if k in FLUX_HPARAMS}
+    if kwargs.get("axes_dims_rope") is not None:
+        kwargs["axes_dims_rope"] = tuple(kwargs["axes_dims_rope"])
+    return Flux(**kwargs, **overrides)
+
+
+def flux_from_state_dict(model: Flux, state_dict: Mapping[str, Any]) -> dict:
+    """A diffusers `FluxTransformer2DModel` state_dict -> our `params` tree (in `model.param_dtype`)."""
+    return convert_tree(flat_abstract_params(model, *model.dummy_inputs()), state_dict, flux_key,
+                        lambda path, value: value.T if path.endswith("/kernel") else value, model.param_dtype, what="Flux")
 
 
 def mmdit_from_config(config: Mapping[str, Any], **overrides) -> MMDiT:

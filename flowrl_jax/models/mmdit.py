@@ -298,6 +298,17 @@ class JointBlock(nn.Module):
         return x, context
 
 
+def scans(scan_blocks: str, remat: bool, width: int) -> bool:
+    """Whether runs of equal blocks run as one `lax.scan` (one compile per run) or a Python loop (one per block).
+    "auto": scan under remat (remat saves memory only in a scan) and from width SCAN_MIN_WIDTH on (the SD3 family);
+    below it the loop ran as fast or faster on CPU and compiled as fast (WORKSPACE_NOTES.md, issue 32)."""
+    if scan_blocks not in SCAN_CHOICES:
+        raise ValueError(f"scan_blocks={scan_blocks!r}; choose one of {SCAN_CHOICES}")
+    if scan_blocks == "auto":
+        return remat or width >= SCAN_MIN_WIDTH
+    return scan_blocks == "always"
+
+
 def block_runs(kinds) -> list[tuple[int, int]]:
     """[(start, stop)] of the maximal runs of consecutive equal `kinds` (a block's structure)."""
     runs, start = [], 0
@@ -359,14 +370,7 @@ class MMDiT(nn.Module):
 
     @property
     def scans_blocks(self) -> bool:
-        """Whether runs of equal blocks run as one `lax.scan` (one compile per run) or a Python loop (one per block).
-        "auto": scan under remat (remat saves memory only in a scan) and from width SCAN_MIN_WIDTH on (the SD3 family);
-        below it the loop ran as fast or faster on CPU and compiled as fast (WORKSPACE_NOTES.md, issue 32)."""
-        if self.scan_blocks not in SCAN_CHOICES:
-            raise ValueError(f"scan_blocks={self.scan_blocks!r}; choose one of {SCAN_CHOICES}")
-        if self.scan_blocks == "auto":
-            return self.remat or self.inner_dim >= SCAN_MIN_WIDTH
-        return self.scan_blocks == "always"
+        return scans(self.scan_blocks, self.remat, self.inner_dim)
 
     @nn.compact
     def __call__(self, x: jax.Array, t: jax.Array, text_tokens: jax.Array, pooled: jax.Array) -> jax.Array:
