@@ -1,11 +1,16 @@
 """The FLUX.1 transformer (`models/flux.py`) equals diffusers' `FluxTransformer2DModel` at a tiny config made awkward on
 purpose: an odd head count (3), a rotary split that is not even (4, 6, 6), a non-square image (4 x 6 tokens), several
-single blocks, a guidance embedding; loop and scan (with remat) alike, weights loaded from the diffusers state_dict."""
+single blocks, a guidance embedding; loop and scan (with remat) alike, weights loaded from the diffusers state_dict.
+Its LoRA targets and their effect equal peft's with flow_grpo's FLUX LoraConfig; packing, image ids and the dynamic
+shift schedule equal `FluxPipeline`'s and its scheduler's."""
+import flax
+import jax
 import numpy as np
 import pytest
 
-from flowrl_jax.models import convert
-from flowrl_jax.models.flux import rope_tables
+from flowrl_jax.models import convert, lora
+from flowrl_jax.models.flux import image_ids, pack, rope_tables, unpack
+from flowrl_jax.sampling import schedule
 
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
@@ -13,13 +18,6 @@ diffusers = pytest.importorskip("diffusers")
 CONFIG = dict(patch_size=1, in_channels=8, num_layers=2, num_single_layers=3, attention_head_dim=16, num_attention_heads=3,
               joint_attention_dim=24, pooled_projection_dim=12, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
 ROWS, COLS, TEXT = 4, 6, 5
-
-
-def _image_ids(rows: int, cols: int) -> np.ndarray:
-    """FluxPipeline._prepare_latent_image_ids: (0, row, col) per packed token, row-major."""
-    ids = np.zeros((rows, cols, 3), np.float32)
-    ids[..., 1], ids[..., 2] = np.arange(rows)[:, None], np.arange(cols)[None]
-    return ids.reshape(rows * cols, 3)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +35,7 @@ def reference():
                   encoder_hidden_states=rng.standard_normal((2, TEXT, 24)).astype(np.float32),
                   pooled_projections=rng.standard_normal((2, 12)).astype(np.float32),
                   timestep=np.asarray([0.3, 0.9], np.float32), guidance=np.asarray([3.5, 1.0], np.float32),
-                  img_ids=_image_ids(ROWS, COLS), txt_ids=np.zeros((TEXT, 3), np.float32))
+                  img_ids=image_ids(2 * ROWS, 2 * COLS), txt_ids=np.zeros((TEXT, 3), np.float32))
     with torch.no_grad():
         out = model(**{k: torch.from_numpy(v) for k, v in inputs.items()}, return_dict=False)[0].numpy()
     return model.state_dict(), inputs, out
@@ -61,6 +59,65 @@ def test_the_guidance_input_must_match_the_model(reference):
     _, x, _ = reference
     model = convert.flux_from_config({**CONFIG, "guidance_embeds": False})
     with pytest.raises(ValueError, match="no guidance embedding .*pass guidance=None"):
-        model.init(__import__("jax").random.PRNGKey(0), *model.dummy_inputs()[:-1], x["guidance"][:1])
+        model.init(jax.random.PRNGKey(0), *model.dummy_inputs()[:-1], x["guidance"][:1])
     with pytest.raises(convert.ConversionError, match="unknown keys .*guidance_embedder"):
         convert.flux_from_state_dict(model, reference[0])  # a dev checkpoint into a schnell config: one line naming it
+
+
+FLOW_GRPO_FLUX_MODULES = ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
+                          "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                          "ff_context.net.2"]  # flow_grpo scripts/train_flux.py's LoraConfig target_modules
+
+
+def test_lora_targets_and_their_effect_equal_peft_with_flow_grpos_config(reference):
+    peft = pytest.importorskip("peft")
+    state_dict, x, _ = reference
+    wrapped = diffusers.FluxTransformer2DModel(**CONFIG).eval()
+    wrapped.load_state_dict(state_dict)
+    wrapped = peft.get_peft_model(wrapped, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian",
+                                                            target_modules=FLOW_GRPO_FLUX_MODULES))
+    theirs = {name.split("base_model.model.", 1)[1]: m for name, m in wrapped.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+    model = convert.flux_from_config(CONFIG, lora_alpha=8.0)
+    params = convert.flux_from_state_dict(model, state_dict)
+    ours = lora.init_adapters(params, jax.random.PRNGKey(0), rank=4, targets=lora.FLOW_GRPO_FLUX_TARGETS)
+    paths = sorted({k.rsplit("/", 1)[0] for k in flax.traverse_util.flatten_dict(ours, sep="/")})
+    assert sorted(convert.flux_key(p + "/kernel")[: -len(".weight")] for p in paths) == sorted(theirs)  # the same layers
+    rng, adapters = np.random.default_rng(1), {}
+    with torch.no_grad():
+        for path in paths:  # random A and B (B is zero at init: no effect), (alpha / r) a b about the size of W
+            m = theirs[convert.flux_key(path + "/kernel")[: -len(".weight")]]
+            (fan_in, _), (_, fan_out) = m.lora_A["default"].weight.shape[::-1], m.lora_B["default"].weight.shape[::-1]
+            a = rng.standard_normal((fan_in, 4)).astype(np.float32) / fan_in ** 0.5
+            b = rng.standard_normal((4, fan_out)).astype(np.float32) * 0.1
+            m.lora_A["default"].weight.copy_(torch.from_numpy(a.T.copy()))
+            m.lora_B["default"].weight.copy_(torch.from_numpy(b.T.copy()))
+            adapters[path + "/a"], adapters[path + "/b"] = a, b
+        expected = wrapped(**{k: torch.from_numpy(v) for k, v in x.items()}, return_dict=False)[0].numpy()
+    rope = rope_tables(np.concatenate([x["txt_ids"], x["img_ids"]]), CONFIG["axes_dims_rope"])
+    args = (x["hidden_states"], x["timestep"], x["encoder_hidden_states"], x["pooled_projections"], rope, x["guidance"])
+    got = np.asarray(model.apply({"params": params, "lora": flax.traverse_util.unflatten_dict(adapters, sep="/")}, *args))
+    base = np.asarray(model.apply({"params": params}, *args))
+    assert np.abs(expected - base).max() > 100 * 1e-5 * np.abs(expected).max()  # the adapters change the output
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())  # as the forward test's bound
+
+
+def test_packing_ids_and_the_dynamic_shift_equal_fluxpipelines():
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    latents = np.random.default_rng(2).standard_normal((2, 6, 10, 16)).astype(np.float32)  # NHWC, non-square
+    nchw = torch.from_numpy(latents.transpose(0, 3, 1, 2).copy())
+    packed = FluxPipeline._pack_latents(nchw, 2, 16, 6, 10).numpy()
+    np.testing.assert_array_equal(np.asarray(pack(latents)), packed)  # a permutation: exact
+    unpacked = FluxPipeline._unpack_latents(torch.from_numpy(packed), 6 * 8, 10 * 8, 8).numpy().transpose(0, 2, 3, 1)
+    np.testing.assert_array_equal(np.asarray(unpack(pack(latents), 6, 10)), unpacked)
+    np.testing.assert_array_equal(unpacked, latents)
+    np.testing.assert_array_equal(image_ids(6, 10), FluxPipeline._prepare_latent_image_ids(2, 3, 5, "cpu", torch.float32).numpy())
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=4096)  # FLUX.1's scheduler config
+    for tokens, steps in ((15, 4), (1024, 28), (4096, 50)):
+        mu = calculate_shift(tokens, 256, 4096, 0.5, 1.15)
+        assert schedule.flux_mu(tokens) == pytest.approx(mu, rel=1e-12)  # the same line through (256, 0.5), (4096, 1.15)
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+        # float32 roundings of float64 values: 1 ulp of 1.0 is 1.2e-7
+        np.testing.assert_allclose(np.asarray(schedule.flux_sigmas(steps, mu)), scheduler.sigmas.numpy(), rtol=0, atol=2e-7)

@@ -1,7 +1,8 @@
 """FLUX.1 transformer in Flax linen, a pure-functional port of diffusers' `FluxTransformer2DModel`.
 
-    rope = rope_tables(np.concatenate([txt_ids, img_ids]), model.axes_dims_rope)   # host, float64 angles
-    v = Flux(**hparams).apply({"params": params}, tokens, t, text_tokens, pooled, rope, guidance)
+    tokens = pack(latents)                                                            # [B, H, W, 16] -> [B, N, 64]
+    rope = rope_tables(np.concatenate([np.zeros((L, 3)), image_ids(H, W)]), model.axes_dims_rope)  # host, float64
+    v = unpack(Flux(**hparams).apply({"params": params}, tokens, t, text_tokens, pooled, rope, guidance), H, W)
 
 Shapes (B batch, N image tokens, L text tokens):
     tokens       [B, N, in_channels]        packed latents: each token a 2 x 2 patch of the 16-channel VAE latent (64)
@@ -33,6 +34,31 @@ from flowrl_jax.models.mmdit import Attention, Dense, FeedForward, Modulation, l
 from flowrl_jax.models.scan import scan_layers
 
 Dtype = Any
+
+
+def pack(latents: jax.Array) -> jax.Array:
+    """[B, H, W, C] latents -> [B, (H/2)(W/2), 4 C] tokens, row-major, each token's elements (C, 2, 2) (diffusers'
+    `FluxPipeline._pack_latents` on NCHW)."""
+    b, h, w, c = latents.shape
+    if h % 2 or w % 2:
+        raise ValueError(f"latents of {h}x{w}: FLUX packs 2 x 2, so both sides must be even (images a multiple of 16)")
+    x = latents.reshape(b, h // 2, 2, w // 2, 2, c).transpose(0, 1, 3, 5, 2, 4)
+    return x.reshape(b, (h // 2) * (w // 2), 4 * c)
+
+
+def unpack(tokens: jax.Array, height: int, width: int) -> jax.Array:
+    """[B, (H/2)(W/2), 4 C] -> [B, H, W, C] latents; the inverse of `pack` (H, W in latent pixels)."""
+    b, _, d = tokens.shape
+    x = tokens.reshape(b, height // 2, width // 2, d // 4, 2, 2).transpose(0, 1, 4, 2, 5, 3)
+    return x.reshape(b, height, width, d // 4)
+
+
+def image_ids(height: int, width: int) -> np.ndarray:
+    """[(H/2)(W/2), 3] float32: (0, row, column) of each packed token of H x W latents (`_prepare_latent_image_ids`);
+    text ids are zeros [L, 3]."""
+    ids = np.zeros((height // 2, width // 2, 3), np.float32)
+    ids[..., 1], ids[..., 2] = np.arange(height // 2)[:, None], np.arange(width // 2)[None]
+    return ids.reshape(-1, 3)
 
 
 def rope_tables(ids: np.ndarray, axes_dims: Sequence[int], theta: float = 10000.0) -> tuple[np.ndarray, np.ndarray]:

@@ -19,6 +19,10 @@ import jax
 import jax.numpy as jnp
 
 FLOW_GRPO_TARGETS = r"/attn/(to_q|to_k|to_v|to_out|add_q_proj|add_k_proj|add_v_proj|to_add_out)/kernel$"
+# flow_grpo's FLUX LoRA (scripts/train_flux.py: r=64, alpha=128, gaussian): the eight attention projections and both
+# MLPs of the double blocks; PEFT matches by suffix, so the single blocks' attn.to_q/k/v are adapted too
+FLOW_GRPO_FLUX_TARGETS = (r"/(attn/(to_q|to_k|to_v|to_out|add_q_proj|add_k_proj|add_v_proj|to_add_out)|(ff|ff_context)/(fc1|fc2))"
+                          r"/kernel$")
 
 
 INITS = ("kaiming", "gaussian")

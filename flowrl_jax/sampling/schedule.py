@@ -3,8 +3,15 @@
 docs/math.md §0: `sh(s) = shift s / (1 + (shift - 1) s)`, `s = linspace(1, sh(1/1000), T)`,
 `sigma_i = sh(s_i)` for i < T and `sigma_T = 0`. (diffusers shifts the end point once when the
 scheduler is built and again in set_timesteps; SD3.5 checkpoints were trained on those times.)
+
+FLUX.1 (`FluxPipeline`) shifts by the image's size instead: `mu` grows linearly with the packed token count (0.5 at
+256 tokens to 1.15 at 4,096), and `s = linspace(1, 1/T, T)` is shifted by `exp(mu)` (the scheduler's exponential
+time shift `e^mu / (e^mu + 1/s - 1)` is `sh` with shift `e^mu`).
 """
+import math
+
 import jax.numpy as jnp
+import numpy as np
 
 
 def shift_sigma(s, shift: float):
@@ -15,3 +22,17 @@ def sigmas(num_steps: int, shift: float = 3.0) -> jnp.ndarray:
     """[T + 1] float32, from 1.0 down to 0.0; step i goes sigma_i -> sigma_{i+1}."""
     s = jnp.linspace(1.0, shift_sigma(1.0 / 1000, shift), num_steps)
     return jnp.concatenate([shift_sigma(s, shift), jnp.zeros((1,))]).astype(jnp.float32)
+
+
+def flux_mu(image_tokens: int, base_tokens: int = 256, max_tokens: int = 4096, base_shift: float = 0.5,
+            max_shift: float = 1.15) -> float:
+    """FLUX's dynamic shift `mu` for `image_tokens` packed tokens (`FluxPipeline.calculate_shift`; the defaults are
+    FLUX.1's scheduler config)."""
+    slope = (max_shift - base_shift) / (max_tokens - base_tokens)
+    return image_tokens * slope + base_shift - slope * base_tokens
+
+
+def flux_sigmas(num_steps: int, mu: float) -> jnp.ndarray:
+    """[T + 1] float32: `linspace(1, 1/T, T)` shifted by `exp(mu)` (in float64, as the scheduler), then 0."""
+    s = np.linspace(1.0, 1.0 / num_steps, num_steps)
+    return jnp.asarray(np.concatenate([shift_sigma(s, math.exp(mu)), [0.0]]), jnp.float32)
