@@ -55,6 +55,18 @@ def test_forward_equals_diffusers(reference, scan_blocks, remat):
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
 
+def test_a_saved_folder_loads_without_torch_in_bf16_shards(reference, tmp_path):
+    state_dict = reference[0]
+    model = diffusers.FluxTransformer2DModel(**CONFIG)
+    model.load_state_dict(state_dict)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "transformer", max_shard_size="20KB")  # several shards, bf16
+    assert len(list((tmp_path / "transformer").glob("*.safetensors"))) > 1
+    ours, params = convert.load_flux(str(tmp_path))  # the pipeline folder: its transformer/ is found
+    rounded = {k: v.to(torch.bfloat16).float() for k, v in state_dict.items()}
+    for got, want in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(convert.flux_from_state_dict(ours, rounded))):
+        np.testing.assert_array_equal(got, want)  # the bf16 values, exactly, in the model's float32
+
+
 def test_the_guidance_input_must_match_the_model(reference):
     _, x, _ = reference
     model = convert.flux_from_config({**CONFIG, "guidance_embeds": False})

@@ -342,3 +342,10 @@ def load_diffusers(path: str, **model_overrides) -> tuple[MMDiT, dict]:
     pipeline folder's `transformer/` is found too) -> (model, params). No torch import."""
     return load_folder(path, mmdit_from_config, from_state_dict, "a diffusers SD3Transformer2DModel folder", "transformer",
                        **model_overrides)
+
+
+def load_flux(path: str, **model_overrides) -> tuple[Flux, dict]:
+    """Load a diffusers FLUX.1 transformer folder (dev or schnell; a pipeline folder's `transformer/` is found too)
+    -> (model, params). No torch import."""
+    return load_folder(path, flux_from_config, flux_from_state_dict, "a diffusers FluxTransformer2DModel folder", "transformer",
+                       **model_overrides)
