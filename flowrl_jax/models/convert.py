@@ -17,7 +17,7 @@ import functools
 import json
 import os
 import re
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import flax
 import jax
@@ -80,13 +80,16 @@ def flux_key(flax_path: str) -> str:
 
 def flux_from_config(config: Mapping[str, Any], **overrides) -> Flux:
     """A `Flux` from a diffusers `FluxTransformer2DModel` config.json dict (keys starting with '_' are metadata)."""
-    unknown = sorted(k for k in config if not k.startswith("_") and k not in FLUX_HPARAMS)
+    return _from_config(Flux, FLUX_HPARAMS, ("axes_dims_rope",), config, overrides)
+
+
+def _from_config(cls, hparams: Sequence[str], tuples: Sequence[str], config: Mapping[str, Any], overrides: dict):
+    """`cls(**the config's hparams, **overrides)`; ConversionError naming the keys `cls` does not know."""
+    unknown = sorted(k for k in config if not k.startswith("_") and k not in hparams)
     if unknown:
-        raise ConversionError(f"config.json has keys Flux does not know: {unknown}; known: {list(FLUX_HPARAMS)}")
-    kwargs = {k: v for k, v in config.items() if k in FLUX_HPARAMS}
-    if kwargs.get("axes_dims_rope") is not None:
-        kwargs["axes_dims_rope"] = tuple(kwargs["axes_dims_rope"])
-    return Flux(**kwargs, **overrides)
+        raise ConversionError(f"config.json has keys {cls.__name__} does not know: {unknown}; known: {list(hparams)}")
+    kwargs = {k: tuple(v) if k in tuples and v is not None else v for k, v in config.items() if k in hparams}
+    return cls(**kwargs, **overrides)
 
 
 def flux_from_state_dict(model: Flux, state_dict: Mapping[str, Any]) -> dict:
@@ -97,13 +100,7 @@ def flux_from_state_dict(model: Flux, state_dict: Mapping[str, Any]) -> dict:
 
 def mmdit_from_config(config: Mapping[str, Any], **overrides) -> MMDiT:
     """An `MMDiT` from a diffusers `config.json` dict (keys starting with '_' are metadata)."""
-    unknown = sorted(k for k in config if not k.startswith("_") and k not in HPARAMS)
-    if unknown:
-        raise ConversionError(f"config.json has keys MMDiT does not know: {unknown}; known: {list(HPARAMS)}")
-    kwargs = {k: v for k, v in config.items() if k in HPARAMS}
-    if kwargs.get("dual_attention_layers") is not None:
-        kwargs["dual_attention_layers"] = tuple(kwargs["dual_attention_layers"])
-    return MMDiT(**kwargs, **overrides)
+    return _from_config(MMDiT, HPARAMS, ("dual_attention_layers",), config, overrides)
 
 
 def _abstract_params(model: MMDiT) -> dict:

@@ -103,9 +103,8 @@ class RotaryAttention(Attention):
         return self.dense(dim, name="to_out")(out[:, n_text:]), self.dense(dim, name="to_add_out")(out[:, :n_text])
 
 
-class DoubleBlock(nn.Module):
-    """diffusers `FluxTransformerBlock`: adaLN-Zero on both streams, joint rotary attention, an MLP each.
-    x [B, N, D], context [B, L, D], temb [B, D], rope ([L + N, head_dim] x 2) -> (x, context)."""
+class FluxBlock(nn.Module):
+    """What both kinds of block hold: the width, the heads, the LoRA-able `Dense` and the attention implementation."""
 
     dim: int
     heads: int
@@ -114,14 +113,22 @@ class DoubleBlock(nn.Module):
     param_dtype: Dtype = jnp.float32
     attention: str = "xla"
 
+    def rotary_attention(self, joint: bool) -> RotaryAttention:
+        return RotaryAttention(self.heads, self.head_dim, "rms_norm", joint=joint, context_pre_only=False, dense=self.dense,
+                               param_dtype=self.param_dtype, attention=self.attention, name="attn")
+
+
+class DoubleBlock(FluxBlock):
+    """diffusers `FluxTransformerBlock`: adaLN-Zero on both streams, joint rotary attention, an MLP each.
+    x [B, N, D], context [B, L, D], temb [B, D], rope ([L + N, head_dim] x 2) -> (x, context)."""
+
     @nn.compact
     def __call__(self, x, context, temb, cos, sin):
         dim, dense = self.dim, self.dense
         sh, sc, g, sh_mlp, sc_mlp, g_mlp = Modulation(dim, 6, dense, name="norm1")(temb)
         c_sh, c_sc, c_g, c_sh_mlp, c_sc_mlp, c_g_mlp = Modulation(dim, 6, dense, name="norm1_context")(temb)
-        attn = RotaryAttention(self.heads, self.head_dim, "rms_norm", joint=True, context_pre_only=False, dense=dense,
-                               param_dtype=self.param_dtype, attention=self.attention, name="attn")
-        attn_out, context_out = attn(modulate(layer_norm(x), sh, sc), (cos, sin), modulate(layer_norm(context), c_sh, c_sc))
+        attn_out, context_out = self.rotary_attention(joint=True)(modulate(layer_norm(x), sh, sc), (cos, sin),
+                                                                   modulate(layer_norm(context), c_sh, c_sc))
         x = x + g[:, None] * attn_out
         x = x + g_mlp[:, None] * FeedForward(dim, dense, name="ff")(modulate(layer_norm(x), sh_mlp, sc_mlp))
         context = context + c_g[:, None] * context_out
@@ -130,24 +137,16 @@ class DoubleBlock(nn.Module):
         return x, context
 
 
-class SingleBlock(nn.Module):
+class SingleBlock(FluxBlock):
     """diffusers `FluxSingleTransformerBlock` on h = [text, image] [B, L + N, D]: one adaLN-Zero, rotary attention and a
     4x MLP in parallel, `proj_out` of their concatenation, gated."""
-
-    dim: int
-    heads: int
-    head_dim: int
-    dense: Any
-    param_dtype: Dtype = jnp.float32
-    attention: str = "xla"
 
     @nn.compact
     def __call__(self, h, temb, cos, sin):
         sh, sc, g = Modulation(self.dim, 3, self.dense, name="norm")(temb)
         normed = modulate(layer_norm(h), sh, sc)
         mlp = nn.gelu(self.dense(4 * self.dim, name="proj_mlp")(normed), approximate=True)
-        attn = RotaryAttention(self.heads, self.head_dim, "rms_norm", joint=False, context_pre_only=False, dense=self.dense,
-                               param_dtype=self.param_dtype, attention=self.attention, name="attn")(normed, (cos, sin))
+        attn = self.rotary_attention(joint=False)(normed, (cos, sin))
         return h + g[:, None] * self.dense(self.dim, name="proj_out")(jnp.concatenate([attn, mlp], axis=-1))
 
 
