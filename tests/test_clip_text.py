@@ -74,6 +74,24 @@ def _rel_err(out, ref):
     return float(np.abs(np.asarray(out) - ref).max() / np.abs(ref).max())
 
 
+def test_a_clip_text_model_folder_pools_unprojected_as_transformers(tmp_path):
+    """FLUX.1's text_encoder/ is a `CLIPTextModel`: no text_projection; its pooled vector is `pooler_output`."""
+    torch.manual_seed(1)
+    reference = transformers.CLIPTextModel(transformers.CLIPTextConfig(**{**TINY, **CASES["quick_gelu_legacy_eos"]})).eval()
+    with torch.no_grad():
+        for p in reference.parameters():  # off CLIP's near-uniform init, as `_reference`
+            p.add_(0.1 * torch.randn_like(p))
+    reference.save_pretrained(tmp_path, safe_serialization=True)
+    model, params = clip_text.load(str(tmp_path))
+    assert not model.projection and "text_projection" not in params
+    ids, mask = _ids(model.eos_token_id)
+    with torch.no_grad():
+        out = reference(torch.from_numpy(ids).long(), torch.from_numpy(mask).long())
+    hidden, pooled = model.apply({"params": params}, ids, mask, hidden_layer=None)
+    assert pooled.shape == (len(EOS_AT), TINY["hidden_size"])
+    assert max(_rel_err(hidden, out.last_hidden_state.numpy()), _rel_err(pooled, out.pooler_output.numpy())) < PARITY
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_parity_with_transformers_folder(case, tmp_path):
     reference = _reference(**CASES[case])

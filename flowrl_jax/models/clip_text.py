@@ -1,5 +1,5 @@
-"""The CLIP text encoder SD3 runs twice (CLIP-L/14, OpenCLIP bigG/14): a Flax linen port of transformers'
-`CLIPTextModelWithProjection`, with its weights loaded without torch.
+"""The CLIP text encoder SD3 runs twice (CLIP-L/14, OpenCLIP bigG/14) and FLUX.1 once (CLIP-L/14, unprojected): a Flax
+linen port of transformers' `CLIPTextModelWithProjection` and `CLIPTextModel`, with its weights loaded without torch.
 
     model, params = load("sd3/text_encoder")                        # config.json + model.safetensors (or sharded)
     hidden, pooled = model.apply({"params": params}, ids, mask)     # SD3's pair: hidden_layer=-2 (the default)
@@ -10,7 +10,8 @@ Shapes (B batch, L tokens, D hidden_size, P projection_dim):
     hidden  [B, L, D] float32  transformers' `hidden_states[hidden_layer]`: the embeddings are entry 0, layer i's output
                                entry i + 1, no final LayerNorm; `hidden_layer=None` gives `last_hidden_state` instead
                                (the last layer, final-LayerNormed). SD3 with `clip_skip` takes -(clip_skip + 2).
-    pooled  [B, P] float32     `text_embeds`: the final-LayerNormed state at the EOS token, times `text_projection`
+    pooled  [B, P] float32     `text_embeds`: the final-LayerNormed state at the EOS token, times `text_projection`;
+                               with `projection=False` (a `CLIPTextModel` folder, FLUX's) `pooler_output` [B, D], unprojected
 
 Only the requested hidden state is kept, not the whole tuple. The EOS token is, as in transformers'
 `CLIPTextModel.forward`, the largest id of each row when `eos_token_id == 2` (configs written before transformers PR
@@ -132,7 +133,8 @@ class CLIPEncoderLayer(nn.Module):
 
 
 class CLIPTextEncoder(nn.Module):
-    """transformers `CLIPTextModelWithProjection` (hyper-parameters as `CLIPTextConfig`); see the module doc."""
+    """transformers `CLIPTextModelWithProjection`, or `CLIPTextModel` with `projection=False` (hyper-parameters as
+    `CLIPTextConfig`); see the module doc."""
 
     vocab_size: int = 49408
     hidden_size: int = 768
@@ -147,6 +149,7 @@ class CLIPTextEncoder(nn.Module):
     dtype: Dtype = jnp.float32  # compute dtype; LayerNorms, attention logits and softmax stay float32
     param_dtype: Dtype = jnp.float32
     scan_layers: bool = True  # the layers as one lax.scan (scan.py: one compile, not one per layer); False: a loop
+    projection: bool = True  # pooled through `text_projection` (WithProjection); False: `CLIPTextModel`'s pooler_output
 
     def dummy_inputs(self, batch: int = 1, length: int = 1) -> tuple[jax.Array]:
         """Zero ids [batch, length], for `init`/`eval_shape`."""
@@ -185,7 +188,9 @@ class CLIPTextEncoder(nn.Module):
 
         final_norm = _layer_norm(self.layer_norm_eps, self.param_dtype, "final_layer_norm")
         eos = x[jnp.arange(x.shape[0]), eos_positions(ids, self.eos_token_id)]  # [B, D]; the norm is per token
-        pooled = nn.Dense(self.projection_dim, use_bias=False, name="text_projection", **kw)(final_norm(eos))
+        pooled = final_norm(eos)
+        if self.projection:
+            pooled = nn.Dense(self.projection_dim, use_bias=False, name="text_projection", **kw)(pooled)
         if hidden is None:
             hidden = final_norm(x)
         return hidden.astype(jnp.float32), pooled.astype(jnp.float32)
@@ -204,12 +209,15 @@ def config_from_json(config: Mapping[str, Any], **overrides) -> CLIPTextEncoder:
         raise convert.ConversionError(f"CLIP text config lacks required keys {missing}")
     if config["hidden_act"] not in ACTIVATIONS:
         raise convert.ConversionError(f"hidden_act={config['hidden_act']!r} is not supported; use one of {list(ACTIVATIONS)}")
+    overrides.setdefault("projection", "CLIPTextModel" not in (config.get("architectures") or []))  # FLUX's text_encoder/
     return CLIPTextEncoder(**{k: config[k] for k in HPARAMS}, **overrides)
 
 
 def from_state_dict(model: CLIPTextEncoder, state_dict: Mapping[str, Any]) -> dict:
     """A transformers `CLIPTextModelWithProjection` state_dict ({name: array-like}) -> our params (`model.param_dtype`).
     Linear `weight [out, in]` is our `kernel [in, out]`; the `position_ids` buffer is ignored."""
+    if not any(str(k).startswith("text_model.") for k in state_dict):  # transformers 5 saves a CLIPTextModel without
+        state_dict = {f"text_model.{k}": v for k, v in state_dict.items()}  # its wrapper's prefix; older files have it
     abstract = convert.flat_abstract_params(model, *model.dummy_inputs())
     return convert.convert_tree(abstract, state_dict, transformers_key,
                                 transform=lambda path, value: value.T if path.endswith("/kernel") else value,
@@ -218,7 +226,7 @@ def from_state_dict(model: CLIPTextEncoder, state_dict: Mapping[str, Any]) -> di
 
 
 def load(folder: str, **overrides) -> tuple[CLIPTextEncoder, dict]:
-    """A transformers CLIP text folder (`config.json` + safetensors, sharded or not) -> (model, params); `overrides`
-    set module fields such as `dtype`. No torch import."""
+    """A transformers CLIP text folder (`config.json` + safetensors, sharded or not; `CLIPTextModelWithProjection` or,
+    pooled unprojected, `CLIPTextModel`) -> (model, params); `overrides` set module fields such as `dtype`. No torch."""
     return convert.load_folder(folder, config_from_json, from_state_dict,
                                "a transformers CLIPTextModelWithProjection folder", stem="model", **overrides)
