@@ -192,7 +192,7 @@ def test_each_attack_is_answered_within_the_stated_memory_bound(attacked):
     reward_attacks.warm_up(url, caps)
     idle = reward_attacks.rss(proc.pid)
     P, C = caps.max_pending, caps.max_connections
-    every_connection = (4 * C + 128) * protocol.CONNECTION_BYTES  # the bound's connection term: the most ever open
+    every_connection = protocol.connection_ceiling(C) * protocol.CONNECTION_BYTES  # the bound's connection term
     opened = {"held_uploads": 5 * P, "legal_batch": P, "gone_client": 2}  # the attack's connections (else 1), and the
     # poller's and a spare: the bound with that many connections, so the test keeps its teeth at these small caps
     expected = {"held_uploads": {408: P, 503: 4 * P}, "png_pixel_bomb": {413: 1}, "object_nest": {413: 1}, "legal_batch": {200: P},

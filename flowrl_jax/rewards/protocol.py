@@ -62,6 +62,11 @@ OBJECT_BYTES = 128  # Python memory per unpacked msgpack object past its payload
 CONNECTION_BYTES = 512 << 10  # an open connection: asyncio's 256 KiB read, aiohttp's 2 x 64 KiB paused stream, parser
 
 
+def connection_ceiling(max_connections: int) -> int:
+    """The most connections the server holds open at once (`serve.Doorman`: past the cap for 0.1 s at most)."""
+    return 4 * max_connections + 128
+
+
 def worst_case_bytes(limits: Limits, max_pending: int, max_connections: int) -> int:
     """The server's worst-case memory above its idle footprint, not counting what the rewards themselves allocate on
     one batch (docs/rewards.md, "Bounds"): (P + 1) B + 15 M + 12 min(S^2, M) + 128 O + (4 C + 128) x 512 KiB, where P admitted
@@ -70,7 +75,7 @@ def worst_case_bytes(limits: Limits, max_pending: int, max_connections: int) -> 
     pixels twice and the array), O msgpack objects and up to 4 C + 128 connections (C = --max_connections; past C for 0.1 s at most, serve.Doorman)."""
     B, M, S = limits.max_body_bytes, limits.max_pixels, limits.max_side
     return ((max_pending + 1) * B + 15 * M + 12 * min(S * S, M) + OBJECT_BYTES * limits.max_objects
-            + (4 * max_connections + 128) * CONNECTION_BYTES)
+            + connection_ceiling(max_connections) * CONNECTION_BYTES)
 
 
 @dataclasses.dataclass

@@ -251,7 +251,7 @@ class Doorman:
     holds the ceiling, for GRACE_S."""
 
     def __init__(self, factory: web.Server, cap: int, busy: set):
-        self.factory, self.cap, self.ceiling, self.busy, self.open, self.sweep = factory, cap, ceiling(cap), busy, {}, None
+        self.factory, self.cap, self.ceiling, self.busy, self.open, self.sweep = factory, cap, protocol.connection_ceiling(cap), busy, {}, None
         self.loop = asyncio.get_running_loop()
 
     def __call__(self) -> Door:
@@ -272,11 +272,6 @@ class Doorman:
             door.close()
         if len(self.open) > self.cap:
             self.sweep = self.loop.call_later(GRACE_S, self.make_room)
-
-
-def ceiling(max_connections: int) -> int:
-    """The most connections open at once (for GRACE_S): `protocol.worst_case_bytes` counts this many."""
-    return 4 * max_connections + 128
 
 
 def run(app: web.Application, host: str, port: int, max_connections: int, banner: str) -> None:
