@@ -251,7 +251,8 @@ class Doorman:
     holds the ceiling, for GRACE_S."""
 
     def __init__(self, factory: web.Server, cap: int, busy: set):
-        self.factory, self.cap, self.ceiling, self.busy, self.open, self.sweep = factory, cap, protocol.connection_ceiling(cap), busy, {}, None
+        self.factory, self.cap, self.busy, self.open, self.sweep = factory, cap, busy, {}, None
+        self.ceiling = protocol.connection_ceiling(cap)
         self.loop = asyncio.get_running_loop()
 
     def __call__(self) -> Door:
