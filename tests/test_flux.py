@@ -133,3 +133,87 @@ def test_packing_ids_and_the_dynamic_shift_equal_fluxpipelines():
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
         ours, theirs = np.asarray(schedule.flux_sigmas(steps, mu)), scheduler.sigmas.numpy()
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=2e-7)  # both float32 roundings of float64 sigmas <= 1: <= 1 ulp of 1.0 (1.2e-7) apart
+
+
+# ------------------------------------------------------------------------------------------- the pipeline
+# A tiny FluxPipeline as awkward as the transformer's config above: 3 heads, rotary split (4, 6, 6), two single blocks,
+# a guidance embedding; CLIP-L as CLIPTextModel (pooled, unprojected), T5 v1.1, a 16 x 24-pixel (non-square) image.
+FLUX_DIT = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=3,
+                joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+
+
+def build_tiny_flux(folder: str):
+    """A random FLUX.1-dev-like pipeline (tests/test_sd3.py's tokenizers and text encoder sizes, a 4-channel VAE) saved to
+    `folder`; returns diffusers' `FluxPipeline`."""
+    transformers = pytest.importorskip("transformers")
+    from tests.test_sd3 import CLIP_LEN, RESOLUTION, _tokenizers
+
+    torch.manual_seed(0)
+    clip_tok, t5_tok = _tokenizers()
+    components = dict(
+        transformer=diffusers.FluxTransformer2DModel(**FLUX_DIT),
+        text_encoder=transformers.CLIPTextModel(transformers.CLIPTextConfig(
+            vocab_size=len(clip_tok), hidden_size=16, intermediate_size=24, projection_dim=12, num_hidden_layers=2,
+            num_attention_heads=2, max_position_embeddings=CLIP_LEN, hidden_act="quick_gelu", bos_token_id=0, eos_token_id=1,
+            pad_token_id=1)),
+        text_encoder_2=transformers.T5EncoderModel(transformers.T5Config(
+            vocab_size=len(t5_tok), d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
+            relative_attention_num_buckets=8, relative_attention_max_distance=16, pad_token_id=0, eos_token_id=1)),
+        vae=diffusers.AutoencoderKL(
+            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+            block_out_channels=(8, 16), layers_per_block=1, latent_channels=4, norm_num_groups=4, sample_size=RESOLUTION,
+            use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159),
+    )
+    with torch.no_grad():  # off the zero-initialised adaLN / output layers, so every weight matters
+        for name in ("transformer", "vae"):
+            for p in components[name].parameters():
+                p.add_(0.05 * torch.randn_like(p))
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                          base_image_seq_len=256, max_image_seq_len=4096)  # FLUX.1's
+    pipe = diffusers.FluxPipeline(scheduler=scheduler, tokenizer=clip_tok, tokenizer_2=t5_tok, **{k: m.eval() for k, m in components.items()})
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("flux"))
+    return folder, build_tiny_flux(folder)
+
+
+def test_encode_and_a_4_step_sample_equal_fluxpipeline(flux):
+    import jax.numpy as jnp
+    from flowrl_jax.worlds.sd3.flux_pipeline import load_flux_pipeline
+    from tests.test_sd3 import CLIP_LEN, PROMPTS, T5_LEN, _rel_err
+
+    folder, reference = flux
+    prompts, (height, width) = PROMPTS[:2], (16, 24)  # pixels; latents 8 x 12 (the tiny VAE halves once), 4 x 6 tokens
+    noise = np.random.default_rng(0).standard_normal((2, 4, 8, 12)).astype(np.float32)  # NCHW, diffusers' layout
+    packed = diffusers.FluxPipeline._pack_latents(torch.from_numpy(noise), 2, 4, 8, 12)
+    call = dict(prompt=prompts, height=height, width=width, num_inference_steps=4, guidance_scale=3.5, max_sequence_length=T5_LEN)
+    with torch.no_grad():
+        ref_tokens, ref_pooled, _ = reference.encode_prompt(prompts, None, max_sequence_length=T5_LEN)
+        ref_latents = reference(**call, latents=packed, output_type="latent").images.numpy()
+        ref_images = reference(**call, latents=packed, output_type="np").images
+    measured = {}
+    for dtype in ("float32", "bfloat16"):
+        pipe, params = load_flux_pipeline(folder, dtype=jnp.dtype(dtype), clip_max_length=CLIP_LEN, t5_max_length=T5_LEN)
+        ids = jnp.asarray(pipe.tokenize(prompts))
+        tokens, pooled = jax.jit(pipe.encode)(params["text"], ids)
+        latents = jax.jit(pipe.sample, static_argnums=(3, 4))(params, ids, jnp.asarray(noise.transpose(0, 2, 3, 1)), 4, 1.0)
+        images = np.clip(np.asarray(jax.jit(pipe.decode)(params["vae"], latents)) / 2 + 0.5, 0, 1)  # diffusers' postprocess
+        measured[dtype] = dict(tokens=_rel_err(np.asarray(tokens), ref_tokens.numpy()), pooled=_rel_err(np.asarray(pooled), ref_pooled.numpy()),
+                               latents=_rel_err(np.asarray(pack(latents)), ref_latents), images=_rel_err(images, ref_images))
+        if dtype == "float32":
+            assert tokens.shape == tuple(ref_tokens.shape) and pooled.shape == tuple(ref_pooled.shape)
+            assert images.shape == ref_images.shape == (2, height, width, 3)
+            assert np.abs(np.asarray(latents) - noise.transpose(0, 2, 3, 1)).max() > 0.1  # the sampler moved
+    print("relative error vs FluxPipeline (float32 reference):", measured)
+    # float32: each port's parity is ~1e-6 (the transformer's 9e-7 above; CLIP, T5, VAE: their tests), 4 Euler steps with
+    # gain ~1 (|d sigma| <= 1): measured 4e-7 (encode) to 2.3e-6 (latents, images); a porting error is O(1)
+    for name, err in measured["float32"].items():
+        assert err < 1e-5, (name, measured)  # 1e-5: the issue's bar, 4x the measured 2.3e-6
+    # bfloat16 compute (float32 params): unit roundoff 2^-8 = 3.9e-3 per rounded op, through ~10 rounding stages in series
+    # (CLIP, T5, 4 steps of the transformer, the VAE) whose errors do not all align: <= 10 x 3.9e-3; measured 3e-3 to 1.5e-2
+    for name, err in measured["bfloat16"].items():
+        assert err < 4e-2, (name, measured)  # 4e-2: 10 bf16 roundoffs in series (above), 2.6x the measured 1.5e-2

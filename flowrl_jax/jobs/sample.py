@@ -34,7 +34,7 @@ def settings(config) -> dict:
     if s.kind not in kernels.KINDS:
         raise ConfigError(f"sample.kind={s.kind!r}: choose one of {', '.join(kernels.KINDS)}")
     return {"kind": s.kind, "num_steps": s.num_steps or e.num_steps, "cfg": s.cfg if s.cfg >= 0 else e.cfg,
-            "shift": s.shift or e.shift, "noise_level": s.noise_level if s.kind != "ode" else 0.0}
+            "shift": s.shift or e.shift, "grid": config.sampler.grid, "noise_level": s.noise_level if s.kind != "ode" else 0.0}
 
 
 def prompt_rows(s) -> list[dict]:
@@ -51,7 +51,7 @@ def prompt_rows(s) -> list[dict]:
 
 def make_sampler(world, dit, st: dict, rows):
     """`(dit_params, frozen, ids, mask, noise [B, ...], key) -> images [B, H, W, 3]`, jitted, batch-sharded (`rows`)."""
-    sigmas = schedule.sigmas(st["num_steps"], st["shift"])
+    sigmas = schedule.sigmas(st["num_steps"], st["shift"], st["grid"])
 
     def sample(params, frozen, ids, mask, noise, key):
         cond, null = world.encode(frozen, ids, mask), world.null_condition(frozen, ids.shape[0])
@@ -60,7 +60,7 @@ def make_sampler(world, dit, st: dict, rows):
             x = rollout.sample(velocity, noise, sigmas)
         else:
             levels = rollout.noise_levels(st["num_steps"], st["noise_level"])
-            x = rollout.rollout(velocity, noise, sigmas, levels, key, st["kind"], dit.patch_size).final
+            x = rollout.rollout(velocity, noise, sigmas, levels, key, st["kind"], dit.token_patch).final
         return world.decode(frozen, x)
 
     return jax.jit(sample, out_shardings=rows)

@@ -78,9 +78,10 @@ def flux_key(flax_path: str) -> str:
     return diffusers_key(flax_path, _FLUX_TO_DIFFUSERS)
 
 
-def flux_from_config(config: Mapping[str, Any], **overrides) -> Flux:
-    """A `Flux` from a diffusers `FluxTransformer2DModel` config.json dict (keys starting with '_' are metadata)."""
-    return _from_config(Flux, FLUX_HPARAMS, ("axes_dims_rope",), config, overrides)
+def flux_from_config(config: Mapping[str, Any], cls: type = Flux, **overrides) -> Flux:
+    """A `Flux` (or `cls`, e.g. `flux.FluxLatents`) from a diffusers `FluxTransformer2DModel` config.json dict (keys
+    starting with '_' are metadata)."""
+    return _from_config(cls, FLUX_HPARAMS, ("axes_dims_rope",), config, overrides)
 
 
 def _from_config(cls, hparams: Sequence[str], tuples: Sequence[str], config: Mapping[str, Any], overrides: dict):
@@ -343,6 +344,6 @@ def load_diffusers(path: str, **model_overrides) -> tuple[MMDiT, dict]:
 
 def load_flux(path: str, **model_overrides) -> tuple[Flux, dict]:
     """Load a diffusers FLUX.1 transformer folder (dev or schnell; a pipeline folder's `transformer/` is found too)
-    -> (model, params). No torch import."""
+    -> (model, params); `cls=flux.FluxLatents` for the latent-space model. No torch import."""
     return load_folder(path, flux_from_config, flux_from_state_dict, "a diffusers FluxTransformer2DModel folder", "transformer",
                        **model_overrides)

@@ -201,8 +201,12 @@ class Flux(nn.Module):
             carry = call(block_cls(name=name, **kw), None, carry)
         return carry
 
-    @nn.compact
     def __call__(self, tokens, t, text_tokens, pooled, rope, guidance=None) -> jax.Array:
+        return self.forward(tokens, t, text_tokens, pooled, rope, guidance)
+
+    @nn.compact
+    def forward(self, tokens, t, text_tokens, pooled, rope, guidance=None) -> jax.Array:
+        """The transformer on packed tokens (module doc's shapes); `__call__` of `Flux`, what `FluxLatents` wraps."""
         if len(self.axes_dims_rope) != 3 or sum(self.axes_dims_rope) != self.attention_head_dim:
             raise ValueError(f"axes_dims_rope={tuple(self.axes_dims_rope)} must be 3 dims summing to attention_head_dim="
                              f"{self.attention_head_dim}")
@@ -236,3 +240,35 @@ class Flux(nn.Module):
         out = dense(self.patch_size ** 2 * self.output_channels, kernel_init=nn.initializers.zeros, name="proj_out")(
             modulate(layer_norm(h), shift, scale))
         return out.astype(jnp.float32)
+
+
+class FluxLatents(Flux):
+    """FLUX as the RL loop sees every DiT: `(x [B, H, W, C] latents, sigma [B], text_tokens, pooled) -> v [B, H, W, C]`.
+
+    Packs the latents 2 x 2, builds the rotary tables of the text ids (zeros) and the image ids from the static shapes
+    (host constants at trace time), feeds the distilled guidance `guidance_scale` to every row (None: a model without a
+    guidance embedding, FLUX.1-schnell), and unpacks the velocity. Parameters are `Flux`'s, unchanged."""
+
+    guidance_scale: float | None = 3.5
+
+    @property
+    def token_patch(self) -> int:
+        """Latent pixels per side of one packed token (2): the tokens of the per-token log-probs and credit maps."""
+        return 2
+
+    def __call__(self, x, sigma, text_tokens, pooled) -> jax.Array:
+        b, h, w, _ = x.shape
+        ids = np.concatenate([np.zeros((text_tokens.shape[1], 3), np.float32), image_ids(h, w)])
+        rope = rope_tables(ids, self.axes_dims_rope)
+        guidance = None if not self.guidance_embeds else jnp.full((b,), self.guidance_scale, jnp.float32)
+        return unpack(self.forward(pack(x), sigma, text_tokens, pooled, rope, guidance), h, w)
+
+    @property
+    def latent_channels(self) -> int:
+        return self.in_channels // 4
+
+    def dummy_inputs(self, batch: int = 1, text_len: int = 1, height: int = 2, width: int = 2):
+        """Zeros of `__call__`'s shapes (latents [B, H, W, C], t, text_tokens, pooled), for `init`/`eval_shape`."""
+        return (jnp.zeros((batch, height, width, self.latent_channels), jnp.float32), jnp.zeros((batch,), jnp.float32),
+                jnp.zeros((batch, text_len, self.joint_attention_dim), jnp.float32),
+                jnp.zeros((batch, self.pooled_projection_dim), jnp.float32))

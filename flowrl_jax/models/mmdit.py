@@ -349,6 +349,11 @@ class MMDiT(nn.Module):
         return self.num_attention_heads * self.attention_head_dim
 
     @property
+    def token_patch(self) -> int:
+        """Latent pixels per side of one token (the patch size): the tokens of the per-token log-probs and credit maps."""
+        return self.patch_size
+
+    @property
     def output_channels(self) -> int:
         return self.out_channels if self.out_channels is not None else self.in_channels
 

@@ -73,5 +73,5 @@ def resolve_options(config, patch_size: int) -> ConfigDict:
     name = config.objective.name
     options = resolve(get(name).defaults, config.objective.get(name), owner=f"objective.{name}")
     s = config.sampler
-    options.update(patch_size=patch_size, logprob_form=s.logprob_form, num_steps=s.num_steps, kernel=s.kind, shift=s.shift)
+    options.update(patch_size=patch_size, logprob_form=s.logprob_form, num_steps=s.num_steps, kernel=s.kind, shift=s.shift, grid=s.grid)
     return options

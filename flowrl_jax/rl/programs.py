@@ -31,7 +31,7 @@ from flowrl_jax.sampling import rollout as rollout_lib, schedule, windows
 
 def schedule_of(sampler_cfg, levels) -> rollout_lib.Schedule:
     """The `Schedule` of a rollout drawn at `levels [T]` (an iteration's SDE window) on the config's sigmas."""
-    return rollout_lib.Schedule(schedule.sigmas(sampler_cfg.num_steps, sampler_cfg.shift), jnp.asarray(levels, jnp.float32))
+    return rollout_lib.Schedule(schedule.sigmas(sampler_cfg.num_steps, sampler_cfg.shift, sampler_cfg.grid), jnp.asarray(levels, jnp.float32))
 
 
 class RolloutProgram(NamedTuple):
@@ -73,7 +73,7 @@ def num_chunks(rows: int, rollout_chunk: int) -> int:
 def make_rollout(policy: Policy, world, config, row_sharding: jax.sharding.NamedSharding | None = None) -> RolloutProgram:
     """The rollout's functions, jit-able (`RolloutProgram`); `row_sharding`: the batch's."""
     s, t = config.sampler, config.train
-    sigmas = schedule.sigmas(s.num_steps, s.shift)
+    sigmas = schedule.sigmas(s.num_steps, s.shift, s.grid)
     tail = windows.tail(s)
     chunks = num_chunks(t.prompts_per_iteration * t.group_size, t.get("rollout_chunk", 0))  # of an iteration's batch
     shards = parallel.batch_shards(row_sharding.mesh) if row_sharding is not None else 1
@@ -87,7 +87,7 @@ def make_rollout(policy: Policy, world, config, row_sharding: jax.sharding.Named
         cond = world.encode(frozen, ids, mask)
         null = world.null_condition(frozen, ids.shape[0])
         velocity = rollout_lib.guided(policy.velocity_fn(policy.sampling_variables(trainable, frozen["dit"])), cond, null, s.cfg)
-        ro = rollout_lib.rollout(velocity, x_T, sigmas, levels, key, s.kind, policy.dit.patch_size, s.logprob_form, **tail)
+        ro = rollout_lib.rollout(velocity, x_T, sigmas, levels, key, s.kind, policy.dit.token_patch, s.logprob_form, **tail)
         return ro, cond, null
 
     def rollout_fn(trainable, frozen, ids, mask, rng, levels):  # the name profiles show (jit_rollout_fn)
@@ -116,7 +116,7 @@ def make_completion_fn(policy: Policy, config) -> Callable:
     """jit-able `(trainable, frozen, cond, null, states [B, m, H, W, C], steps) -> [B, m, H, W, C]`: the
     ODE sampler (CFG) from each state to sigma = 0 (`sampling.rollout.complete`); `steps` is static."""
     s = config.sampler
-    sigmas = schedule.sigmas(s.num_steps, s.shift)
+    sigmas = schedule.sigmas(s.num_steps, s.shift, s.grid)
 
     def complete(trainable, frozen, cond, null, states, steps):
         velocity_fn = policy.velocity_fn(policy.sampling_variables(trainable, frozen["dit"]))
@@ -213,7 +213,7 @@ def make_image_change_fn(policy: Policy, world, config) -> Callable:
     with `before` elsewhere, and the rest (`after` everywhere against `after` on the trained steps only)."""
     s, t = config.sampler, config.train
     n = min(config.diagnostics.image_change_samples, t.prompts_per_iteration * t.group_size)
-    sigmas = schedule.sigmas(s.num_steps, s.shift)
+    sigmas = schedule.sigmas(s.num_steps, s.shift, s.grid)
     tail = windows.tail(s)
 
     def image_change(before, after, frozen, ids, mask, rng, levels):
@@ -228,7 +228,7 @@ def make_image_change_fn(policy: Policy, world, config) -> Callable:
 
         k_noise, k_steps = jax.random.split(rng)
         x_T = jax.random.normal(k_noise, world.latent_shape(n))
-        final = [rollout_lib.rollout(v, x_T, sigmas, levels, k_steps, s.kind, policy.dit.patch_size, s.logprob_form, **tail).final
+        final = [rollout_lib.rollout(v, x_T, sigmas, levels, k_steps, s.kind, policy.dit.token_patch, s.logprob_form, **tail).final
                  for v in (v_before, v_after, v_mixed)]
         rms = lambda a: jnp.sqrt(jnp.mean(jnp.square(a)))  # noqa: E731
         return {"total": rms(final[1] - final[0]), "trained_steps": rms(final[2] - final[0]), "untrained_steps": rms(final[1] - final[2])}
@@ -263,7 +263,7 @@ def compile_programs(plan, policy: Policy, frozen_shardings, state_shardings, re
     """Every program of an iteration, jitted with the plan's shardings (compiled at their first call); `reward_model`:
     the world's (`worlds.RewardModel`), when the plan uses it."""
     config, mesh = plan.config, plan.mesh
-    options = plan.loss_options(policy.dit.patch_size)
+    options = plan.loss_options(policy.dit.token_patch)
     data, replicated = parallel.batch_sharding(mesh), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     pieces = make_rollout(policy, plan.world, config, data)
     rollout = RolloutProgram(

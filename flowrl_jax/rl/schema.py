@@ -25,7 +25,7 @@ def train_config() -> ConfigDict:
     their module's `DEFAULTS`: `--config.objective.grpo.clip_range=0.2`, `--config.credit.spatial.tau=1`."""
     cfg = base_config("train")
     cfg.world = worlds.config_fields("shapes")  # base: a shipped asset name or a pretrain workdir; prompt files ("" = shipped)
-    cfg.sampler = dict(kind="sde", num_steps=10, shift=1.0, noise_level=0.7, sde_window=(), cfg=3.0,
+    cfg.sampler = dict(kind="sde", num_steps=10, shift=1.0, grid="sd3", noise_level=0.7, sde_window=(), cfg=3.0,
                        same_noise_per_group=False, logprob_form="gaussian",  # sde_window () = every step
                        window=dict(windows.DEFAULTS))  # how the SDE window moves per iteration: fixed, random (Fast), sliding (MixGRPO)
     cfg.train = dict(iterations=200, prompts_per_iteration=8, group_size=12, num_inner_epochs=1, minibatches=4,

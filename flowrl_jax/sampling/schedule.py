@@ -18,10 +18,25 @@ def shift_sigma(s, shift: float):
     return shift * s / (1 + (shift - 1) * s)
 
 
-def sigmas(num_steps: int, shift: float = 3.0) -> jnp.ndarray:
-    """[T + 1] float32, from 1.0 down to 0.0; step i goes sigma_i -> sigma_{i+1}."""
+GRIDS = ("sd3", "flux")
+
+
+def sigmas(num_steps: int, shift: float = 3.0, grid: str = "sd3") -> jnp.ndarray:
+    """[T + 1] float32, from 1.0 down to 0.0; step i goes sigma_i -> sigma_{i+1}. `grid`: the base times the shift is
+    applied to, "sd3" (`FlowMatchEulerDiscreteScheduler.set_timesteps(T)`) or "flux" (`FluxPipeline`'s `linspace(1, 1/T,
+    T)`, with `shift` = e^mu: `flux_sigmas`)."""
+    if grid == "flux":
+        return flux_sigmas(num_steps, math.log(shift))
+    if grid != "sd3":
+        raise ValueError(f"sampler.grid={grid!r}: choose one of {', '.join(GRIDS)}")
     s = jnp.linspace(1.0, shift_sigma(1.0 / 1000, shift), num_steps)
     return jnp.concatenate([shift_sigma(s, shift), jnp.zeros((1,))]).astype(jnp.float32)
+
+
+def flux_shift(resolution: int, vae_factor: int = 8) -> float:
+    """e^mu of FLUX.1's dynamic shift for square `resolution`-pixel images: the `shift` of the "flux" grid that equals
+    `FluxPipeline`'s schedule ((resolution / vae_factor / 2)^2 packed tokens)."""
+    return math.exp(flux_mu((resolution // (2 * vae_factor)) ** 2))
 
 
 def flux_mu(image_tokens: int, base_tokens: int = 256, max_tokens: int = 4096, base_shift: float = 0.5,

@@ -32,6 +32,7 @@ from flowrl_jax.worlds.protocol import Evaluation, RewardModel, RunFacts, World 
 WORLDS: dict[str, tuple[Callable[..., World], dict]] = {  # name: (class, DEFAULTS)
     "shapes": (shapes.ShapesWorld, shapes.DEFAULTS),
     "sd3": (sd3.SD3World, sd3.DEFAULTS),
+    "flux": (sd3.FluxWorld, sd3.FLUX_DEFAULTS),
 }
 
 
@@ -46,9 +47,11 @@ def check(config) -> None:
     name = config.world.name
     if name not in WORLDS:
         raise ValueError(f"unknown world {name!r} (config.world.name); known: {sorted(WORLDS)}")
-    check_settings = getattr(WORLDS[name][0], "check", None)
-    if check_settings is not None:
-        check_settings(config.world)
+    cls = WORLDS[name][0]
+    if hasattr(cls, "check"):
+        cls.check(config.world)
+    if hasattr(cls, "check_run"):  # the rest of the run's settings, where the world cannot take some (FLUX: no CFG)
+        cls.check_run(config)
 
 
 def run_facts(config, mesh: jax.sharding.Mesh, weighted_rewards=None) -> RunFacts:

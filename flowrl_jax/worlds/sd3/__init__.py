@@ -33,6 +33,7 @@ from flowrl_jax import metrics, parallel, rewards
 from flowrl_jax.data import datasets
 from flowrl_jax.rewards import device
 from flowrl_jax.worlds.protocol import Evaluation, RewardModel, RunFacts
+from flowrl_jax.worlds.sd3.flux_pipeline import load_flux_pipeline
 from flowrl_jax.worlds.sd3.pipeline import load_sd3_pipeline
 
 DEFAULTS = {
@@ -68,7 +69,7 @@ class SD3World:
         """The settings a run needs, checked without reading a file (ValueError naming the field)."""
         for field in ("pipeline", "train_prompts"):
             if not settings[field]:
-                raise ValueError(f"config.world.{field} is required for the sd3 world: pass --config.world.{field}=...")
+                raise ValueError(f"config.world.{field} is required for the {settings.get('name', 'sd3')} world: pass --config.world.{field}=...")
 
     def __init__(self, settings, eval_settings, facts: RunFacts):
         w = settings
@@ -100,15 +101,19 @@ class SD3World:
     # ------------------------------------------------------------------------------------------ model
     def load(self):
         w = self.world_cfg
-        self.pipe, params = load_sd3_pipeline(w.pipeline, dtype=jnp.dtype(w.dtype), param_dtype=jnp.dtype(w.param_dtype),
-                                              clip_max_length=w.clip_max_length, t5_max_length=w.t5_max_length, remat=w.remat,
-                                              attention=w.get("attention", "xla"), scan_blocks=w.get("scan_blocks", "auto"))
+        self.pipe, params = self.load_pipeline(w.pipeline, dtype=jnp.dtype(w.dtype), param_dtype=jnp.dtype(w.param_dtype),
+                                               clip_max_length=w.clip_max_length, t5_max_length=w.t5_max_length, remat=w.remat,
+                                               attention=w.get("attention", "xla"), scan_blocks=w.get("scan_blocks", "auto"))
         self.latent_shape(1)  # the resolution fits the VAE and the patch size (ValueError otherwise)
         self._vae = params["vae"]  # host; the latent reward model decodes with it (`reward_model`)
         self._decode = jax.jit(self.decode_rows)  # called on the host's rollouts too (score): one program, not op by op
         if w.text_cache:
             params = {**params, "text": self._encode_all(self.place(params["text"]))}
         return self.pipe.dit, params
+
+    def load_pipeline(self, folder: str, **kwargs):
+        """(pipeline, host params) of the folder: `load_sd3_pipeline` (`FluxWorld`: `load_flux_pipeline`)."""
+        return load_sd3_pipeline(folder, **kwargs)
 
     def place(self, host_params):
         """Host weights -> global arrays sharded by the run's partition rules, each device given only its own pieces
@@ -296,3 +301,35 @@ def category_table(rows: list[dict], total: np.ndarray, parts: dict) -> dict:
     for c in dict.fromkeys(c for c in categories if c is not None):
         table[str(c)] = stats(np.asarray([i for i, x in enumerate(categories) if x == c]))
     return table
+
+
+FLUX_DEFAULTS = {**DEFAULTS,
+                 "pipeline": "",        # a diffusers FluxPipeline folder (FLUX.1-dev or -schnell; required)
+                 "t5_max_length": 512,  # T5 tokens (FluxPipeline's max_sequence_length)
+                 "guidance": 3.5}       # FLUX.1-dev's distilled guidance scale, fed to the transformer (schnell: ignored)
+
+
+class FluxWorld(SD3World):
+    """The latent world on a diffusers FLUX.1 folder (`flux_pipeline.py`): the same prompts, rewards, text cache, eval
+    and sharding as SD3's; the pipeline differs (CLIP-L pooled + T5, `FluxLatents`, the "flux" sigma grid). FLUX.1 is
+    guidance-distilled: no CFG (`sampler.cfg`, `eval.cfg` and any objective's `train_cfg` must be 1, or 0 where 0 means
+    the sampler's), its guidance is `world.guidance`."""
+
+    @staticmethod
+    def check_run(config) -> None:
+        """The run's settings a FLUX world cannot take (ValueError naming the key and the fix)."""
+        s, e = config.sampler, config.eval
+        if s.grid != "flux":
+            raise ValueError(f"sampler.grid={s.grid!r}: FLUX samples on FluxPipeline's grid, set --config.sampler.grid=flux "
+                             "(and sampler.shift / eval.shift to e^mu, schedule.flux_shift(resolution))")
+        for key, value in (("sampler.cfg", s.cfg), ("eval.cfg", e.cfg)):
+            if value != 1.0:
+                raise ValueError(f"{key}={value}: FLUX.1 is guidance-distilled and has no classifier-free guidance; set "
+                                 f"--config.{key}=1 (the distilled guidance scale is world.guidance={config.world.guidance})")
+        options = config.objective.get(config.objective.name) or {}
+        if options.get("train_cfg", 0.0) not in (0.0, 1.0):
+            raise ValueError(f"objective.{config.objective.name}.train_cfg={options['train_cfg']}: FLUX.1 has no "
+                             f"classifier-free guidance; set it to 0 (the sampler's, 1) or 1")
+
+    def load_pipeline(self, folder: str, **kwargs):
+        return load_flux_pipeline(folder, guidance_scale=float(self.world_cfg.guidance), **kwargs)

@@ -32,10 +32,66 @@ from flowrl_jax.models.presets import PRESETS
 from flowrl_jax.sampling import rollout, schedule
 
 COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")  # text_encoder_3 / tokenizer_3: optional
+FLUX_COMPONENTS = COMPONENTS
+
+
+class LatentPipeline:
+    """What an SD3 and a FLUX pipeline share once their text is encoded: the velocity, CFG's null condition, the
+    latent shape, the VAE decode and the ODE sampler on the pipeline's sigma grid. A subclass holds `dit` (latents
+    [B, h, w, C] in, velocity out), `vae`, `tokenizers` and their `lengths`, `grid` ("sd3" | "flux", `schedule.sigmas`),
+    `encode`, and `default_shift(latent_shape)`: the shift its scheduler would use."""
+
+    grid = "sd3"
+
+    def tokenize(self, prompts) -> np.ndarray:
+        """Host: prompts -> [B, sum(lengths)] int32, each tokenizer's ids side by side, padded to its max length and
+        truncated as diffusers does (a missing tokenizer: zeros)."""
+        prompts = list(prompts)
+        parts = []
+        for tokenizer, length in zip(self.tokenizers, self.lengths):
+            if tokenizer is None:
+                parts.append(np.zeros((len(prompts), length), np.int32))
+                continue
+            out = tokenizer(prompts, padding="max_length", max_length=length, truncation=True, add_special_tokens=True)
+            parts.append(np.asarray(out["input_ids"], np.int32))
+        return np.concatenate(parts, axis=1)
+
+    def velocity_fn(self, dit_params):
+        """`(x, sigma, cond) -> v`, the form `sampling.rollout.guided` takes (cond: `encode`'s pytree)."""
+        return lambda x, sigma, cond: self.dit.apply({"params": dit_params}, x, sigma, *cond)
+
+    def null_condition(self, text_params: dict, batch: int):
+        """The empty prompt's conditioning broadcast to `batch` rows: diffusers' default negative prompt."""
+        null = self.encode(text_params, jnp.asarray(self.tokenize([""])))
+        return jax.tree_util.tree_map(lambda u: jnp.broadcast_to(u, (batch,) + u.shape[1:]), null)
+
+    def latent_shape(self, batch: int, resolution: int) -> tuple[int, int, int, int]:
+        """[B, h, w, C] of `resolution`-pixel images (the VAE downsamples by 2^(levels - 1))."""
+        factor = 2 ** (len(self.vae.block_out_channels) - 1)
+        if resolution % (factor * self.dit.token_patch):
+            raise ValueError(f"resolution {resolution} must be divisible by {factor * self.dit.token_patch} (VAE factor x the DiT's "
+                             "latent pixels per token)")
+        return (batch, resolution // factor, resolution // factor, self.vae.latent_channels)
+
+    def decode(self, vae_params, latents: jax.Array) -> jax.Array:
+        """latents [B, h, w, C] -> images [B, H, W, 3] in [-1, 1] (diffusers: `vae.decode(latents / scale + shift)`)."""
+        z = vae_lib.from_dit_latents(self.vae, latents)
+        return jnp.clip(self.vae.apply({"params": vae_params}, z, method="decode"), -1.0, 1.0)
+
+    def sample(self, params: dict, ids: jax.Array, noise: jax.Array, num_steps: int = 28, cfg: float = 7.0, shift: float | None = None):
+        """Euler ODE latents [B, h, w, C] from `noise` for the prompts `ids` (CFG against the empty prompt; cfg 1: none)."""
+        cond, null = self.encode(params["text"], ids), self.null_condition(params["text"], ids.shape[0])
+        return self.sample_from(params["dit"], cond, null, noise, num_steps, cfg, shift)
+
+    def sample_from(self, dit_params, cond, null, noise: jax.Array, num_steps: int = 28, cfg: float = 7.0, shift: float | None = None):
+        """`sample` from encoded conditionings (`encode`'s) and the null one; `shift` None: the scheduler's."""
+        velocity = rollout.guided(self.velocity_fn(dit_params), cond, null, cfg)
+        shift = self.default_shift(noise.shape) if shift is None else shift
+        return rollout.sample(velocity, noise, schedule.sigmas(num_steps, shift, self.grid))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class SD3Pipeline:
+class SD3Pipeline(LatentPipeline):
     dit: MMDiT
     clip_l: Any
     clip_g: Any
@@ -50,18 +106,6 @@ class SD3Pipeline:
     @property
     def lengths(self) -> tuple[int, int, int]:
         return self.clip_max_length, self.clip_max_length, self.t5_max_length
-
-    def tokenize(self, prompts) -> np.ndarray:
-        """Host: prompts -> [B, Lc + Lc + Lt] int32, padded to max length and truncated as diffusers does."""
-        prompts = list(prompts)
-        parts = []
-        for tokenizer, length in zip(self.tokenizers, self.lengths):
-            if tokenizer is None:
-                parts.append(np.zeros((len(prompts), length), np.int32))
-                continue
-            out = tokenizer(prompts, padding="max_length", max_length=length, truncation=True, add_special_tokens=True)
-            parts.append(np.asarray(out["input_ids"], np.int32))
-        return np.concatenate(parts, axis=1)
 
     def encode(self, text_params: dict, ids: jax.Array):
         """ids [B, Lc + Lc + Lt] -> (text_tokens [B, Lc + Lt, joint_attention_dim], pooled [B, P]) (diffusers `encode_prompt`)."""
@@ -80,45 +124,18 @@ class SD3Pipeline:
         clip = jnp.pad(clip, ((0, 0), (0, 0), (0, width - clip.shape[-1])))
         return jnp.concatenate([clip, t5_tokens.astype(jnp.float32)], axis=1), jnp.concatenate([p_l, p_g], axis=-1).astype(jnp.float32)
 
-    def velocity_fn(self, dit_params):
-        """`(x, sigma, (text_tokens, pooled)) -> v`, the form `sampling.rollout.guided` takes."""
-        return lambda x, sigma, cond: self.dit.apply({"params": dit_params}, x, sigma, *cond)
-
-    def null_condition(self, text_params: dict, batch: int):
-        """The empty prompt's conditioning broadcast to `batch` rows: diffusers' default negative prompt."""
-        null = self.encode(text_params, jnp.asarray(self.tokenize([""])))
-        return jax.tree_util.tree_map(lambda u: jnp.broadcast_to(u, (batch,) + u.shape[1:]), null)
-
-    def latent_shape(self, batch: int, resolution: int) -> tuple[int, int, int, int]:
-        """[B, h, w, C] of `resolution`-pixel images (the VAE downsamples by 2^(levels - 1))."""
-        factor = 2 ** (len(self.vae.block_out_channels) - 1)
-        if resolution % (factor * self.dit.patch_size):
-            raise ValueError(f"resolution {resolution} must be divisible by {factor * self.dit.patch_size} (VAE factor x patch size)")
-        return (batch, resolution // factor, resolution // factor, self.dit.in_channels)
-
-    def decode(self, vae_params, latents: jax.Array) -> jax.Array:
-        """latents [B, h, w, C] -> images [B, H, W, 3] in [-1, 1] (diffusers: `vae.decode(latents / scale + shift)`)."""
-        z = vae_lib.from_dit_latents(self.vae, latents)
-        return jnp.clip(self.vae.apply({"params": vae_params}, z, method="decode"), -1.0, 1.0)
-
-    def sample(self, params: dict, ids: jax.Array, noise: jax.Array, num_steps: int = 28, cfg: float = 7.0, shift: float | None = None):
-        """Euler ODE latents [B, h, w, C] from `noise` for the prompts `ids` (CFG against the empty prompt)."""
-        cond, null = self.encode(params["text"], ids), self.null_condition(params["text"], ids.shape[0])
-        return self.sample_from(params["dit"], cond, null, noise, num_steps, cfg, shift)
-
-    def sample_from(self, dit_params, cond, null, noise: jax.Array, num_steps: int = 28, cfg: float = 7.0, shift: float | None = None):
-        """`sample` from encoded conditionings (text_tokens, pooled) and the null one."""
-        velocity = rollout.guided(self.velocity_fn(dit_params), cond, null, cfg)
-        return rollout.sample(velocity, noise, schedule.sigmas(num_steps, self.shift if shift is None else shift))
+    def default_shift(self, latent_shape) -> float:
+        return self.shift
 
 
-def _component(folder: str, name: str, required: bool = True) -> str | None:
+def _component(folder: str, name: str, required: bool = True, what: str = "SD3") -> str | None:
     path = os.path.join(folder, name)
     if os.path.isdir(path):
         return path
     if required:
-        raise FileNotFoundError(f"the SD3 pipeline folder {folder} has no {name}/ (a diffusers StableDiffusion3Pipeline "
-                                f"folder needs {', '.join(COMPONENTS)}; text_encoder_3/tokenizer_3 are optional)")
+        needs = (f"a diffusers StableDiffusion3Pipeline folder needs {', '.join(COMPONENTS)}; text_encoder_3/tokenizer_3 "
+                 "are optional") if what == "SD3" else f"a diffusers FluxPipeline folder needs {', '.join(FLUX_COMPONENTS)}"
+        raise FileNotFoundError(f"the {what} pipeline folder {folder} has no {name}/ ({needs})")
     return None
 
 
@@ -136,6 +153,25 @@ def _tokenizer(path: str | None):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
+FAMILIES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}  # model_index.json's _class_name: the world's name
+
+
+def check_family(folder: str, expected: str) -> None:
+    """The folder's `model_index.json` names `expected` (or another class of the same world) or names none; otherwise a
+    ValueError saying which world reads it (`config.world.name`)."""
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"pipeline folder {folder} not found: point to a diffusers {expected} folder "
+                                "(save_pretrained / a downloaded snapshot)")
+    path = os.path.join(folder, "model_index.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        found = json.load(f).get("_class_name")
+    if found in FAMILIES and FAMILIES[found] != FAMILIES[expected]:
+        raise ValueError(f"{folder} is a {found} folder (model_index.json), not a {expected} one: set "
+                         f"--config.world.name={FAMILIES[found]}")
+
+
 def _shift(folder: str) -> float:
     path = os.path.join(folder, "scheduler", "scheduler_config.json")
     if not os.path.isfile(path):
@@ -151,9 +187,7 @@ def load_sd3_pipeline(folder: str, dtype=jnp.float32, param_dtype=jnp.float32, c
 
     A missing component is a FileNotFoundError naming it; an unknown key, a missing key or a shape mismatch
     is a ConversionError naming the component's folder and the keys."""
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"SD3 pipeline folder {folder} not found: point to a diffusers StableDiffusion3Pipeline "
-                                "folder (save_pretrained / a downloaded snapshot)")
+    check_family(folder, "StableDiffusion3Pipeline")
     kw = dict(dtype=dtype, param_dtype=param_dtype)
     dit, dit_params = _load(convert.load_diffusers, _component(folder, "transformer"), remat=remat, attention=attention,
                             scan_blocks=scan_blocks, **kw)
