@@ -4,6 +4,7 @@ configs start from, and the memory plans of the real-size runs.
     from configs import common
     config = common.embedded_train_config()          # a method on the embedded world, sized for a 2-core CPU
     config = common.sd35m_train_config(plan="v6e-8") # Flow-GRPO on SD3.5-Medium, with a hardware's memory plan
+    config = common.flux1_dev_train_config(plan="gpu") # Flow-GRPO on FLUX.1-dev, with a hardware's memory plan
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from flowrl_jax.config_lib import ConfigError, base_config  # noqa: F401 (base_c
 from flowrl_jax.models.presets import PRESETS
 from flowrl_jax.rl.schema import train_config
 from flowrl_jax import worlds
+from flowrl_jax.sampling import schedule
 
 
 def model_config(preset: str) -> ConfigDict:
@@ -104,12 +106,12 @@ SD35M_RULES = ((r"(kernel|embedding)$", "fsdp"), (r".*", "replicate"))  # the Di
 FROZEN_DIT_RULES = {"fsdp": (), "replicate": ((r"^dit/", "replicate"),)}  # "dit/..." is the frozen tree's DiT only
 
 
-def apply_memory_plan(config: ConfigDict, target: str) -> ConfigDict:
-    """Set `config`'s memory knobs to `MEMORY_PLANS[target]` (mesh, partition rules, chunk sizes, remat, dtype) and its
-    checkpoint cadence where the plan has one."""
-    if target not in MEMORY_PLANS:
-        raise ConfigError(f"unknown memory plan {target!r}: choose one of {', '.join(MEMORY_PLANS)} (configs/sd35m_*.py:<plan>)")
-    plan = MEMORY_PLANS[target]
+def apply_memory_plan(config: ConfigDict, target: str, plans: dict = MEMORY_PLANS) -> ConfigDict:
+    """Set `config`'s memory knobs to `plans[target]` (mesh, partition rules, chunk sizes, remat, dtype) and its
+    checkpoint cadence where the plan has one (`plans`: `MEMORY_PLANS`, SD3.5-M's, or `FLUX_MEMORY_PLANS`)."""
+    if target not in plans:
+        raise ConfigError(f"unknown memory plan {target!r}: choose one of {', '.join(plans)} (configs/<preset>.py:<plan>)")
+    plan = plans[target]
     config.mesh = plan.get("mesh", (("data", 1), ("fsdp", -1)))
     config.partition_rules = FROZEN_DIT_RULES[plan.get("frozen_dit", "fsdp")] + SD35M_RULES
     config.train.update(rollout_chunk=plan["rollout_chunk"], microbatch=plan["microbatch"])
@@ -119,3 +121,41 @@ def apply_memory_plan(config: ConfigDict, target: str) -> ConfigDict:
     config.world.param_dtype = plan.get("param_dtype", "float32")  # the frozen weights' (LoRA adapters stay float32)
     config.checkpoint.every = plan.get("checkpoint_every", config.checkpoint.every)
     return config
+
+
+def flux1_dev_train_config(rewards=(), beta: float = 0.0, noise_level: float = 0.9, plan: str = "v5p-8",
+                           rewards_without_models=(("jpeg_compressibility", 1.0),)) -> ConfigDict:
+    """Flow-GRPO on FLUX.1-dev in the latent world, from flow_grpo's `config/grpo.py:pickscore_flux` and
+    `scripts/train_flux.py`: 512 px, groups of 24, 48 prompts per iteration (1,152 images) in 2 optimizer steps, 6 rollout
+    steps (SDE noise level 0.9 on every step, steps 0-4 trained: timestep_fraction 0.99) and 28 eval steps, the distilled
+    guidance 3.5 and no CFG, FluxPipeline's dynamic shift (e^mu at 1,024 tokens: `schedule.flux_shift(512)` = 1.878), T5
+    at 128 tokens, LoRA rank 64 / alpha 128 (gaussian init) on flow_grpo's FLUX targets at lr 3e-4, clip 1e-4, KL beta
+    per task (0 for PickScore), bf16 compute. `plan`: the memory plan of the hardware (`FLUX_MEMORY_PLANS`)."""
+    cfg = train_config()
+    cfg.world = worlds.config_fields("flux")
+    cfg.world.update(resolution=512, t5_max_length=128, dtype="bfloat16", guidance=3.5, lora_alpha=128.0)
+    shift = schedule.flux_shift(512)
+    cfg.sampler.update(kind="sde", num_steps=6, grid="flux", shift=shift, noise_level=noise_level, sde_window=(0, 5), cfg=1.0,
+                       same_noise_per_group=False)
+    cfg.train.update(iterations=1000, prompts_per_iteration=48, group_size=24, minibatches=2, lr=3e-4, lora_rank=64,
+                     lora_init="gaussian", weight_decay=1e-4, grad_clip=1.0, rewards=tuple(rewards),
+                     rewards_without_models=tuple(rewards_without_models))
+    cfg.objective.grpo.update(clip_range=1e-4, beta=beta)
+    cfg.eval.update(every=30, at_start=True, samples_per_prompt=1, batch_size=16, num_steps=28, cfg=1.0, shift=shift,
+                    learned_reward=False, noise_seed=1)  # flow_grpo evaluates every 30 epochs, ODE at the train guidance
+    cfg.checkpoint.update(every=1, keep=3)
+    cfg.diagnostics.image_change_every = 0
+    return apply_memory_plan(cfg, plan, FLUX_MEMORY_PLANS)
+
+
+# The memory plan of `flux1_dev_train_config()` per target (`benchmarks/memory_plan.py --model flux1_dev` measures each;
+# docs/real_models.md "FLUX.1"): FLUX.1-dev's transformer is 11.9B parameters, 23.8 GB in bf16, T5-XXL 9.5 GB. The
+# frozen weights are bf16 everywhere (as flow_grpo loads them); the DiT is FSDP'd where a replica does not leave room.
+FLUX_MEMORY_PLANS = {
+    "v5p-8": dict(devices=4, memory_gb=95, rollout_chunk=32, microbatch=8, remat=True, param_dtype="bfloat16", frozen_dit="replicate"),
+    "gpu": dict(devices=1, memory_gb=80, also_gb=(141,), rollout_chunk=8, microbatch=2, remat=True, param_dtype="bfloat16"),
+    "v5p-64": dict(devices=32, memory_gb=95, mesh=(("data", 8), ("fsdp", 4)), rollout_chunk=288, microbatch=64, remat=True,
+                   param_dtype="bfloat16", frozen_dit="replicate"),
+    "v6e-64": dict(devices=64, memory_gb=32, mesh=(("data", 8), ("fsdp", 8)), rollout_chunk=128, microbatch=64, remat=True,
+                   param_dtype="bfloat16", frozen_dit="fsdp", checkpoint_every=5),
+}

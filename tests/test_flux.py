@@ -10,10 +10,12 @@ import pytest
 
 from flowrl_jax.models import convert, lora
 from flowrl_jax.models.flux import image_ids, pack, rope_tables, unpack
+from flowrl_jax.rl.policy import Policy
 from flowrl_jax.sampling import schedule
 
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
+from tests.test_sd3 import pickscore_folder  # noqa: E402,F401 (the tiny PickScore folder: a module fixture)
 
 CONFIG = dict(patch_size=1, in_channels=8, num_layers=2, num_single_layers=3, attention_head_dim=16, num_attention_heads=3,
               joint_attention_dim=24, pooled_projection_dim=12, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
@@ -92,6 +94,7 @@ def test_lora_targets_and_their_effect_equal_peft_with_flow_grpos_config(referen
     model = convert.flux_from_config(CONFIG, lora_alpha=8.0)
     params = convert.flux_from_state_dict(model, state_dict)
     ours = lora.init_adapters(params, jax.random.PRNGKey(0), rank=4, targets=lora.FLOW_GRPO_FLUX_TARGETS)
+    assert jax.tree_util.tree_structure(Policy(model, 4).init(params, jax.random.PRNGKey(0))) == jax.tree_util.tree_structure(ours)
     paths = sorted({k.rsplit("/", 1)[0] for k in flax.traverse_util.flatten_dict(ours, sep="/")})
     assert sorted(convert.flux_key(p + "/kernel")[: -len(".weight")] for p in paths) == sorted(theirs)  # the same layers
     rng, adapters = np.random.default_rng(1), {}
@@ -217,3 +220,80 @@ def test_encode_and_a_4_step_sample_equal_fluxpipeline(flux):
     # (CLIP, T5, 4 steps of the transformer, the VAE) whose errors do not all align: <= 10 x 3.9e-3; measured 3e-3 to 1.5e-2
     for name, err in measured["bfloat16"].items():
         assert err < 4e-2, (name, measured)  # 4e-2: 10 bf16 roundoffs in series (above), 2.6x the measured 1.5e-2
+
+
+def _flux_config(folder, prompts, preset="configs/flux1_dev_pickscore.py", **fields):
+    """A FLUX preset shrunk to the tiny pipeline: 16-pixel images (8 x 8 latents, 16 packed tokens), its dynamic shift."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+    from flowrl_jax.config_lib import load_config
+    from tests.test_sd3 import CLIP_LEN, RESOLUTION, T5_LEN
+
+    shift = float(np.exp(calculate_shift(16, 256, 4096, 0.5, 1.15)))  # FluxPipeline's mu at 16 tokens
+    tiny = {"world.pipeline": folder, "world.train_prompts": prompts, "world.test_prompts": prompts, "world.resolution": RESOLUTION,
+            "world.clip_max_length": CLIP_LEN, "world.t5_max_length": T5_LEN, "world.dtype": "float32", "world.param_dtype": "float32",
+            "sampler.num_steps": 3, "sampler.sde_window": (0, 2), "sampler.shift": shift, "eval.shift": shift,
+            "train.iterations": 2, "train.prompts_per_iteration": 2, "train.group_size": 4, "train.minibatches": 1,
+            "train.lora_rank": 4, "eval.at_start": False, "eval.every": 0, "eval.num_steps": 2, "eval.batch_size": 8,
+            "checkpoint.every": 1, "train.allow_rewards_without_models": True}
+    return load_config(preset, **{**tiny, **fields})
+
+
+def test_flow_grpo_trains_and_resumes_bit_equal_and_leapalign_trains_on_flux(flux, pickscore_folder, tmp_path):
+    import json
+    import shutil
+    from flowrl_jax import checkpoint, main
+    from tests.test_sd3 import _prompt_dataset
+
+    folder, _ = flux
+    prompts = _prompt_dataset(tmp_path)
+    run = tmp_path / "grpo"
+    out = main.run_job(_flux_config(folder, prompts), str(run))  # the JPEG demo reward (no PickScore folder given)
+    assert out["step"] == 2
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert sum("reward" in r for r in rows) == 2 and all(r["reward_std"] > 0 for r in rows if "reward" in r)
+    resumed = tmp_path / "resumed"  # killed after iteration 1: only its first checkpoint
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "2")
+    main.run_job(_flux_config(folder, prompts), str(resumed))
+    a, b = (checkpoint.Checkpointer(str(d / "checkpoints")) for d in (run, resumed))
+    try:
+        sa, sb = a.restore(2, None)[0], b.restore(2, None)[0]
+    finally:
+        a.close(), b.close()
+    adapters = jax.tree_util.tree_leaves(sa)
+    assert adapters and any(np.abs(np.asarray(x)).max() > 0 for x in adapters)
+    for x, y in zip(adapters, jax.tree_util.tree_leaves(sb)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # same prompts, noise and reward: bit-equal
+
+    leap = {"world.reward_models.pickscore": pickscore_folder, "train.lora_rank": 0, "sampler.sde_window": (),
+            "checkpoint.every": 0}  # the preset's whole-transformer fine-tune, through the VAE's decode and PickScore
+    out = main.run_job(_flux_config(folder, prompts, "configs/flux1_dev_leapalign.py", **leap), str(tmp_path / "leap"))
+    rows = [json.loads(line) for line in open(tmp_path / "leap" / "metrics.jsonl") if '"reward"' in line]
+    assert out["step"] == 2 and len(rows) == 2 and all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("preset", ["flux1_dev_pickscore", "flux1_dev_ocr", "flux1_dev_leapalign"])
+def test_the_flux_presets_validate_on_every_plan_and_a_cfg_setting_is_refused(preset, pickscore_folder):
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+    from configs import common
+    from flowrl_jax.config_lib import ConfigError, load_config
+    from flowrl_jax.rl import plan
+
+    given = {"world.pipeline": "/FLUX.1-dev", "world.train_prompts": "/prompts", "train.allow_rewards_without_models": True}
+    for target in common.FLUX_MEMORY_PLANS:
+        config = load_config(f"configs/{preset}.py", target, **given)
+        tokens = (config.world.resolution // 16) ** 2  # VAE 8x, packed 2 x 2
+        assert config.sampler.grid == "flux" and config.sampler.cfg == config.eval.cfg == 1.0
+        for shift in (config.sampler.shift, config.eval.shift):  # FluxPipeline's dynamic shift at the preset's resolution
+            assert shift == pytest.approx(np.exp(calculate_shift(tokens, 256, 4096, 0.5, 1.15)), rel=1e-12)
+        if preset == "flux1_dev_leapalign":  # its gradient needs PickScore's weights: no model-free stand-in
+            with pytest.raises(ConfigError, match="world.reward_models.pickscore"):
+                plan.validate(config)
+            config = load_config(f"configs/{preset}.py", target, **given, **{"world.reward_models.pickscore": pickscore_folder})
+            assert config.train.lora_rank == (64 if target == "gpu" else 0)
+        plan.validate(config)
+    refused = {"sampler.cfg": 4.5, "eval.cfg": 3.0, "sampler.grid": "sd3", "objective.leapalign.train_cfg": 3.0}
+    for key, value in refused.items():
+        fields = {**given, key: value, **({"objective.name": "leapalign"} if key.startswith("objective") else {})}
+        with pytest.raises(ConfigError, match=key.split(".")[-1]):
+            plan.validate(load_config(f"configs/{preset}.py", "", **fields))

@@ -30,10 +30,10 @@ CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.py")) if 
 def test_every_config_file_builds_and_passes_validate(path):
     config = runpy.run_path(path)["get_config"]("")
     assert config.is_locked
-    if "world" in config and config.world.name == "sd3":  # a preset for a pipeline folder given on the command line
+    if "world" in config and config.world.name in ("sd3", "flux"):  # a preset for a pipeline folder given on the command line
         with pytest.raises(config_lib.ConfigError, match=r"config\.world\.pipeline is required"):
             main.validate(config)
-        return  # test_sd3.py trains one on a tiny pipeline
+        return  # test_sd3.py and test_flux.py train one on a tiny pipeline
     main.validate(config)  # its job's required fields, and the job's own checks (train: world, objective, credit)
     if config.job == "train":  # and what needs the world: its prompt sets, checked against the rewards
         plan_lib.make_plan(config)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flowrl_jax.models.attention import attend
+from flowrl_jax.models.lora import FLOW_GRPO_FLUX_TARGETS
 from flowrl_jax.models.mmdit import Attention, Dense, FeedForward, Modulation, layer_norm, modulate, scans, timestep_embedding
 from flowrl_jax.models.scan import scan_layers
 
@@ -172,6 +173,8 @@ class Flux(nn.Module):
     remat: bool = False
     attention: str = "xla"
     scan_blocks: str = "auto"
+
+    lora_targets = FLOW_GRPO_FLUX_TARGETS  # flow_grpo's FLUX LoRA (`lora.init_adapters`)
 
     @property
     def inner_dim(self) -> int:

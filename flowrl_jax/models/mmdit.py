@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flowrl_jax.models.attention import attend
+from flowrl_jax.models.lora import FLOW_GRPO_TARGETS
 from flowrl_jax.models.scan import scan_layers
 
 Dtype = Any
@@ -343,6 +344,8 @@ class MMDiT(nn.Module):
     remat: bool = False  # rematerialize each block in the backward pass (jax.checkpoint)
     attention: str = "xla"  # attention implementation: "xla", "cudnn" (GPU flash), "splash" (TPU Pallas); attention.py
     scan_blocks: str = "auto"  # runs of equal blocks as one lax.scan (scan.py): "auto" (`scans_blocks`), "always", "never"
+
+    lora_targets = FLOW_GRPO_TARGETS  # the kernels LoRA adapts (a regex over param paths; `lora.init_adapters`)
 
     @property
     def inner_dim(self) -> int:

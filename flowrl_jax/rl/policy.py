@@ -25,7 +25,8 @@ class Policy:
         self.dit, self.lora_rank, self.lora_init = dit, lora_rank, lora_init
 
     def init(self, frozen_dit, rng):
-        return lora.init_adapters(frozen_dit, rng, rank=self.lora_rank, init=self.lora_init) if self.lora_rank else frozen_dit
+        return (lora.init_adapters(frozen_dit, rng, rank=self.lora_rank, targets=self.dit.lora_targets, init=self.lora_init)
+                if self.lora_rank else frozen_dit)
 
     def variables(self, trainable, frozen_dit) -> dict:
         return {"params": frozen_dit, "lora": trainable} if self.lora_rank else {"params": trainable}

@@ -49,6 +49,7 @@ DEFAULTS = {
     "remat": False,          # rematerialize each MMDiT block in the backward pass (the memory plan, README)
     "scan_blocks": "auto",   # the MMDiT's runs of equal blocks as one lax.scan: "auto", "always", "never" (models/mmdit.py)
     "attention": "xla",      # "xla"; "cudnn" (GPU flash attention); "splash" (TPU Pallas): models/attention.py
+    "lora_alpha": 64.0,      # LoRA's scale is lora_alpha / train.lora_rank (flow_grpo's SD3: 64 / 32)
     "reward_models": dict(device.FOLDERS),  # the device rewards' weights (pickscore, clipscore, aesthetic): rewards/device.py
 }
 
@@ -103,7 +104,8 @@ class SD3World:
         w = self.world_cfg
         self.pipe, params = self.load_pipeline(w.pipeline, dtype=jnp.dtype(w.dtype), param_dtype=jnp.dtype(w.param_dtype),
                                                clip_max_length=w.clip_max_length, t5_max_length=w.t5_max_length, remat=w.remat,
-                                               attention=w.get("attention", "xla"), scan_blocks=w.get("scan_blocks", "auto"))
+                                               attention=w.get("attention", "xla"), scan_blocks=w.get("scan_blocks", "auto"),
+                                               lora_alpha=float(w.get("lora_alpha", 64.0)))
         self.latent_shape(1)  # the resolution fits the VAE and the patch size (ValueError otherwise)
         self._vae = params["vae"]  # host; the latent reward model decodes with it (`reward_model`)
         self._decode = jax.jit(self.decode_rows)  # called on the host's rollouts too (score): one program, not op by op
@@ -305,7 +307,8 @@ def category_table(rows: list[dict], total: np.ndarray, parts: dict) -> dict:
 
 FLUX_DEFAULTS = {**DEFAULTS,
                  "pipeline": "",        # a diffusers FluxPipeline folder (FLUX.1-dev or -schnell; required)
-                 "t5_max_length": 512,  # T5 tokens (FluxPipeline's max_sequence_length)
+                 "t5_max_length": 512,  # T5 tokens (FluxPipeline's max_sequence_length; flow_grpo trains at 128)
+                 "lora_alpha": 128.0,   # flow_grpo's FLUX LoRA: rank 64, alpha 128
                  "guidance": 3.5}       # FLUX.1-dev's distilled guidance scale, fed to the transformer (schnell: ignored)
 
 

@@ -79,7 +79,7 @@ def _mu_settings(folder: str) -> dict:
 
 def load_flux_pipeline(folder: str, dtype=jnp.float32, param_dtype=jnp.float32, clip_max_length: int = 77,
                        t5_max_length: int = 512, remat: bool = False, attention: str = "xla", scan_blocks: str = "auto",
-                       guidance_scale: float = 3.5) -> tuple[FluxPipeline, dict]:
+                       guidance_scale: float = 3.5, lora_alpha: float = 64.0) -> tuple[FluxPipeline, dict]:
     """A diffusers FLUX.1 folder -> (FluxPipeline, {"dit", "text": {"clip_l", "t5"}, "vae"}) on the host;
     `guidance_scale`: the distilled guidance fed to FLUX.1-dev (ignored by a model without the embedding, schnell).
 
@@ -89,7 +89,7 @@ def load_flux_pipeline(folder: str, dtype=jnp.float32, param_dtype=jnp.float32, 
     kw = dict(dtype=dtype, param_dtype=param_dtype)
     comp = lambda name: _component(folder, name, what="FLUX")  # noqa: E731
     dit, dit_params = _load(convert.load_flux, comp("transformer"), cls=FluxLatents, remat=remat, attention=attention,
-                            scan_blocks=scan_blocks, guidance_scale=guidance_scale, **kw)
+                            scan_blocks=scan_blocks, guidance_scale=guidance_scale, lora_alpha=lora_alpha, **kw)
     clip_l, clip_params = _load(clip_text.load, comp("text_encoder"), **kw)
     t5, t5_params = _load(t5_lib.load, comp("text_encoder_2"), **kw)
     vae, vae_params = _load(vae_lib.load, comp("vae"), **kw)

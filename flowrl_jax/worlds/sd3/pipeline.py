@@ -182,7 +182,7 @@ def _shift(folder: str) -> float:
 
 def load_sd3_pipeline(folder: str, dtype=jnp.float32, param_dtype=jnp.float32, clip_max_length: int = 77,
                       t5_max_length: int = 256, remat: bool = False, attention: str = "xla",
-                      scan_blocks: str = "auto") -> tuple[SD3Pipeline, dict]:
+                      scan_blocks: str = "auto", lora_alpha: float = 64.0) -> tuple[SD3Pipeline, dict]:
     """A diffusers SD3/SD3.5 folder -> (SD3Pipeline, {"dit", "text": {"clip_l", "clip_g"[, "t5"]}, "vae"}) on the host.
 
     A missing component is a FileNotFoundError naming it; an unknown key, a missing key or a shape mismatch
@@ -190,7 +190,7 @@ def load_sd3_pipeline(folder: str, dtype=jnp.float32, param_dtype=jnp.float32, c
     check_family(folder, "StableDiffusion3Pipeline")
     kw = dict(dtype=dtype, param_dtype=param_dtype)
     dit, dit_params = _load(convert.load_diffusers, _component(folder, "transformer"), remat=remat, attention=attention,
-                            scan_blocks=scan_blocks, **kw)
+                            scan_blocks=scan_blocks, lora_alpha=lora_alpha, **kw)
     clip_l, clip_l_params = _load(clip_text.load, _component(folder, "text_encoder"), **kw)
     clip_g, clip_g_params = _load(clip_text.load, _component(folder, "text_encoder_2"), **kw)
     text = {"clip_l": clip_l_params, "clip_g": clip_g_params}
