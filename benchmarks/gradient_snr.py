@@ -74,7 +74,7 @@ def group_gradients(config, num_groups: int, null: bool, seed: int) -> tuple[np.
         adv = group.permute_within_groups(adv, jnp.asarray(group_ids), jax.random.PRNGKey(seed + 7))
     adv = np.asarray(adv)
     policy = programs.policy
-    objective, options = plan.objective, plan.loss_options(policy.dit.patch_size)
+    objective, options = plan.objective, plan.loss_options(policy.dit.token_patch)
     fns = policy_fns(policy, config.sampler, None, None, options.get("detach_uncond", False))
 
     @jax.jit

@@ -32,6 +32,7 @@ import json  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
+from typing import Callable, NamedTuple  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -48,7 +49,9 @@ from flowrl_jax.rl.policy import Policy  # noqa: E402
 from flowrl_jax.rl.programs import make_rollout, make_update_fn, schedule_of  # noqa: E402
 from flowrl_jax.rl.state import initial_state, make_optimizer  # noqa: E402
 from flowrl_jax.sampling.windows import sampler_levels  # noqa: E402
-from flowrl_jax.worlds.sd3 import SD3World  # noqa: E402
+from flowrl_jax.config_lib import load_config  # noqa: E402
+from flowrl_jax.worlds.sd3 import FluxWorld, SD3World  # noqa: E402
+from flowrl_jax.worlds.sd3.flux_pipeline import FLUX1_DEV, build_flux_pipeline  # noqa: E402
 from flowrl_jax.worlds.sd3.pipeline import SD35_MEDIUM, build_pipeline  # noqa: E402
 from reward_throughput import TOWERS  # noqa: E402  (benchmarks/: the reward towers' real shapes)
 
@@ -90,17 +93,54 @@ def _analysis(compiled) -> dict:
 METHODS = ("grpo", "leapalign")  # Flow-GRPO (the presets), or LeapAlign on PickScore(decode(x)) (the gradient methods)
 
 
-def target_config(target: str, prompts: int, method: str = "grpo"):
-    config = common.sd35m_train_config()
+def _sd35m_config(target: str, method: str):
+    config = common.sd35m_train_config(plan=target)
     config.unlock()
-    plan = common.MEMORY_PLANS[target]
-    common.apply_memory_plan(config, target)
-    config.train.prompts_per_iteration = prompts
     if method == "leapalign":  # its ODE rollout, PickScore through the VAE decoder as the differentiable reward
         config.objective.name = "leapalign"
         config.sampler.update(kind="ode", sde_window=(), same_noise_per_group=False)
         config.train.rewards = (("pickscore", 1.0),)
-    return config, plan
+    return config
+
+
+def _flux1_dev_config(target: str, method: str):
+    preset = "configs/flux1_dev_leapalign.py" if method == "leapalign" else "configs/flux1_dev_pickscore.py"
+    config = load_config(preset, target)
+    config.unlock()
+    return config
+
+
+class Model(NamedTuple):
+    """A model family's presets, plans and abstract pipeline."""
+    title: str
+    plans: dict          # target -> memory plan (`configs/common.py`)
+    config: Callable     # (target, method) -> the preset's train config on that plan, unlocked
+    build: Callable      # (components, dtype=, param_dtype=, remat=, ...) -> (pipeline, init): `build_pipeline`'s form
+    components: dict
+    world: type
+
+
+MODELS = {
+    "sd35m": Model("SD3.5-M", common.MEMORY_PLANS, _sd35m_config, build_pipeline, SD35_MEDIUM, SD3World),
+    "flux1_dev": Model("FLUX.1-dev", common.FLUX_MEMORY_PLANS, _flux1_dev_config, build_flux_pipeline, FLUX1_DEV, FluxWorld),
+}
+
+
+def target_config(target: str, prompts: int, method: str = "grpo", model: str = "sd35m"):
+    config = MODELS[model].config(target, method)
+    config.train.prompts_per_iteration = prompts
+    return config, MODELS[model].plans[target]
+
+
+def _sequence(model: str, config) -> dict:
+    """The DiT's attention sequence and sizes at the config's resolution: tokens per row, width, heads, blocks."""
+    dit, w = MODELS[model].components["dit"], config.world
+    tokens = (w.resolution // 16) ** 2  # 8x VAE, then patch 2 (SD3) or packing 2 x 2 (FLUX)
+    if model == "flux1_dev":  # T5's tokens only (CLIP gives the pooled vector); every block sees the whole sequence
+        return {"seq": tokens + w.t5_max_length, "width": dit["num_attention_heads"] * dit["attention_head_dim"],
+                "heads": dit["num_attention_heads"], "layers": dit["num_layers"] + dit["num_single_layers"]}
+    return {"seq": tokens + w.clip_max_length + w.t5_max_length, "width": dit["num_attention_heads"] * dit["attention_head_dim"],
+            "heads": dit["num_attention_heads"], "layers": dit["num_layers"]}
 
 
 def pickscore_model(pipe, dtype, param_dtype) -> tuple:
@@ -123,17 +163,18 @@ def pickscore_model(pipe, dtype, param_dtype) -> tuple:
     return apply, init
 
 
-def build_job(config, devices, components: dict = SD35_MEDIUM) -> SimpleNamespace:
+def build_job(config, devices, model: str = "sd35m") -> SimpleNamespace:
     """The train job's jitted rollout, decode and update for `config` on a mesh of `devices`, with the abstract
     (sharded `ShapeDtypeStruct`) arguments to lower them on; `init_frozen` / `init_state` make real ones. An objective
     that differentiates the reward (LeapAlign) gets PickScore on the VAE's decode (`pickscore_model`)."""
     mesh = parallel.make_mesh(config.mesh, devices=devices)
     w, t, s = config.world, config.train, config.sampler
-    pipe, init_frozen = build_pipeline(components, dtype=jnp.dtype(w.dtype), param_dtype=jnp.dtype(w.param_dtype), remat=w.remat,
-                                       attention=w.attention, scan_blocks=w.scan_blocks,
-                                       clip_max_length=w.clip_max_length, t5_max_length=w.t5_max_length, shift=s.shift)
+    family = MODELS[model]
+    pipe, init_frozen = family.build(family.components, dtype=jnp.dtype(w.dtype), param_dtype=jnp.dtype(w.param_dtype),
+                                     remat=w.remat, attention=w.attention, scan_blocks=w.scan_blocks,
+                                     clip_max_length=w.clip_max_length, t5_max_length=w.t5_max_length)
     frozen = jax.eval_shape(init_frozen, jax.random.PRNGKey(0))
-    world = SD3World.around(config.world, config.eval, worlds.run_facts(config, mesh), pipe)
+    world = family.world.around(config.world, config.eval, worlds.run_facts(config, mesh), pipe)
     policy = Policy(pipe.dit, t.lora_rank, t.lora_init)
     objective = objectives.get(config.objective.name)
     reward_apply = None
@@ -145,7 +186,7 @@ def build_job(config, devices, components: dict = SD35_MEDIUM) -> SimpleNamespac
         def init_frozen(rng):  # noqa: F811 (the pipeline's weights and the reward model's)
             f = init_pipeline(rng)
             return {**f, "reward": {"vae": f["vae"], "rewards": {"pickscore": init_reward()}}}
-    options = objectives.resolve_options(config, pipe.dit.patch_size)
+    options = objectives.resolve_options(config, pipe.dit.token_patch)
     credit = credit_lib.build(config.credit.names, config.credit, config.advantage.global_std, config.advantage.clip)
     optimizer = make_optimizer(t)
     rules, min_size = config.partition_rules, config.min_fsdp_size
@@ -189,13 +230,13 @@ def build_job(config, devices, components: dict = SD35_MEDIUM) -> SimpleNamespac
         sizes={"frozen": _bytes(frozen), "trainable": _bytes(state.params), "state": _bytes(state)})
 
 
-def compile_phases(target: str, prompts: int, float32: bool = False, method: str = "grpo") -> dict:
-    """Per-device bytes of each phase of one iteration at `prompts` x 24 rows on `target`'s simulated mesh
+def compile_phases(target: str, prompts: int, float32: bool = False, method: str = "grpo", model: str = "sd35m") -> dict:
+    """Per-device bytes of each phase of one iteration at `prompts` x group rows on `target`'s simulated mesh
     (`float32`: weights and compute in float32, for the activations' bound, `native_bf16`)."""
-    config, plan = target_config(target, prompts, method)
+    config, plan = target_config(target, prompts, method, model)
     if float32:
         config.world.update(dtype="float32", param_dtype="float32")
-    job = build_job(config, jax.devices()[: plan["devices"]])
+    job = build_job(config, jax.devices()[: plan["devices"]], model)
     names = ("rollout", "decode", "update", "eval")
     compiled = {n: getattr(job, n).lower(*getattr(job, n + "_args")).compile() for n in names}
     frozen_abs, state_abs, data, batch, pairs = job.frozen, job.state, job.data, job.batch, job.pairs
@@ -213,24 +254,23 @@ def compile_phases(target: str, prompts: int, float32: bool = False, method: str
             "per_row": {"rollout": _bytes(data) / batch}}
 
 
-def hand_estimate(target: str, prompts: int, sizes: dict) -> dict:
+def hand_estimate(target: str, prompts: int, sizes: dict, method: str = "grpo", model: str = "sd35m") -> dict:
     """Per-device bytes by hand: sharded weights and state, the stored batch, and the largest activation set held at
     once (one rollout chunk's attention scores and MLP, or one microbatch's remat'd forward + one block's backward)."""
-    config, plan = target_config(target, prompts)
+    config, plan = target_config(target, prompts, method, model)
     d = plan["devices"]
-    t, dit = config.train, SD35_MEDIUM["dit"]
+    t = config.train
     batch = prompts * t.group_size
-    tokens = (config.world.resolution // 16) ** 2  # 8x VAE, patch 2
-    text = config.world.clip_max_length + config.world.t5_max_length
-    seq, width, heads = tokens + text, dit["num_attention_heads"] * dit["attention_head_dim"], dit["num_attention_heads"]
-    layers = dit["num_layers"]
+    dims = _sequence(model, config)
+    seq, width, heads, layers = dims["seq"], dims["width"], dims["heads"], dims["layers"]
+    cfg_rows = 2 if config.sampler.cfg != 1.0 else 1  # CFG doubles the forward's rows
     weights = (sizes["params"]["frozen"] + sizes["params"]["state"]) / d
     stored = batch * sizes["per_row"]["rollout"] / d  # trajectories (4 x [T, h, w, 16] f32), logp, cond and null
-    rows = 2 * (t.rollout_chunk or batch) / d  # CFG doubles the forward's rows
+    rows = cfg_rows * (t.rollout_chunk or batch) / d
     attention = rows * heads * seq * seq * 4  # float32 scores of one block, one chunk
     mlp = rows * seq * 4 * width * 2 * 2  # bf16 hidden, twice (pre and post activation)
     rollout_act = attention + mlp
-    micro = 2 * (t.microbatch or batch) / d  # the policy's CFG pair (the uncond branch under stop_gradient, forward only)
+    micro = cfg_rows * (t.microbatch or batch) / d  # the policy's CFG pair (the uncond branch under stop_gradient, forward only)
     saved = micro * layers * seq * width * 2 * 2 if config.world.remat else micro * layers * (attention + mlp) / rows
     update_act = saved + micro * (heads * seq * seq * 4 * 2 + seq * 4 * width * 2 * 4)  # + one block's fwd+bwd
     return {"weights_and_state": weights, "stored_batch": stored, "rollout_activations": rollout_act,
@@ -263,17 +303,17 @@ def largest_prompts(low: dict, memory_gb: float, chunk: int, group: int) -> int:
     return max(n, 0)
 
 
-def frozen_dit_traffic(target: str, prompts: int) -> dict:
+def frozen_dit_traffic(target: str, prompts: int, model: str = "sd35m") -> dict:
     """The frozen base DiT replicated or FSDP'd on `target`'s plan, by hand: bytes per device either way, and the
     bytes each device all-gathers per iteration when it is FSDP'd. Every DiT call gathers the weights it lacks,
     (f - 1) / f of them on an fsdp axis of f: the rollout calls it once per step and chunk (CFG's two branches in one
     call), the update three times per microbatch (the policy's forward, its backward (remat recomputes the forward
     there, and dx needs the weights), the KL reference's forward). An upper bound: XLA may keep gathered weights
     alive across calls (the CPU compile's `all_gathered` counts each gather once, not per loop trip)."""
-    config, plan = target_config(target, prompts)
+    config, plan = target_config(target, prompts, model=model)
     mesh = dict(config.mesh)
     fsdp = mesh["fsdp"] if mesh["fsdp"] != -1 else plan["devices"] // mesh.get("data", 1)
-    pipe, init = build_pipeline(SD35_MEDIUM, param_dtype=jnp.dtype(config.world.param_dtype))
+    pipe, init = MODELS[model].build(MODELS[model].components, param_dtype=jnp.dtype(config.world.param_dtype))
     dit_bytes = _bytes(jax.eval_shape(init, jax.random.PRNGKey(0))["dit"])
     t, s = config.train, config.sampler
     batch = prompts * t.group_size
@@ -288,9 +328,9 @@ def frozen_dit_traffic(target: str, prompts: int) -> dict:
             "chosen": plan.get("frozen_dit", "fsdp")}
 
 
-def print_traffic(prompts: int) -> dict:
-    out = {target: frozen_dit_traffic(target, prompts) for target in common.MEMORY_PLANS}
-    print(f"the frozen SD3.5-M DiT per device, replicated or FSDP'd, at {prompts} prompts x 24 (hand count, GB):")
+def print_traffic(prompts: int, model: str = "sd35m") -> dict:
+    out = {target: frozen_dit_traffic(target, prompts, model) for target in MODELS[model].plans}
+    print(f"the frozen {MODELS[model].title} DiT per device, replicated or FSDP'd, at {prompts} prompts x 24 (hand count, GB):")
     print(f"{'target':8s} {'fsdp':>4s} {'dtype':>8s} {'replicated':>10s} {'FSDP':>6s} {'DiT calls':>9s} {'gathered/iter':>13s}  chosen")
     for target, r in out.items():
         print(f"{target:8s} {r['fsdp']:4d} {r['dtype']:>8s} {r['per_device']['replicate'] / GB:10.2f} {r['per_device']['fsdp'] / GB:6.2f} "
@@ -369,56 +409,66 @@ def attention_memory(resolution: int = 1024, text_tokens: int = 77 + 256, chunk_
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--targets", default=",".join(common.MEMORY_PLANS))
+    parser.add_argument("--model", default="sd35m", choices=list(MODELS), help="the model family: its presets and plans "
+                        "(sd35m: configs/sd35m_*.py, common.MEMORY_PLANS; flux1_dev: configs/flux1_dev_*.py, FLUX_MEMORY_PLANS)")
+    parser.add_argument("--targets", default="", help="comma-separated; default every plan of the model")
     parser.add_argument("--check", action="store_true", help="also compile at the largest batch found (another compile per target)")
-    parser.add_argument("--out", default="benchmarks/results/memory_plan.json")
+    parser.add_argument("--out", default="", help="default benchmarks/results/memory_plan.json (sd35m), "
+                        "memory_plan_<model>.json (others)")
     parser.add_argument("--traffic", action="store_true", help="only the frozen DiT's replicate-or-FSDP table (no compiling)")
     parser.add_argument("--attention", action="store_true", help="only the attention buffers per block at 1024 px, per "
                         "implementation (by hand, xla cross-checked by one compile; seconds)")
     parser.add_argument("--method", default="grpo", choices=METHODS, help="leapalign: the gradient methods' plan (PickScore on "
-                        "the VAE decode, rows '<target>+leapalign')")
+                        "the VAE decode, rows '<target>+leapalign'; FLUX: configs/flux1_dev_leapalign.py)")
     args = parser.parse_args()
+    family = MODELS[args.model]
+    out = args.out or ("benchmarks/results/memory_plan.json" if args.model == "sd35m" else f"benchmarks/results/memory_plan_{args.model}.json")
     if args.attention:
         result = attention_memory()
-        with open(os.path.join(os.path.dirname(args.out) or ".", "attention_memory.json"), "w") as f:
+        with open(os.path.join(os.path.dirname(out) or ".", "attention_memory.json"), "w") as f:
             json.dump(result, f, indent=2)
         return
-    base = common.sd35m_train_config().train
+    targets = args.targets.split(",") if args.targets else list(family.plans)
+    base = family.config(targets[0], args.method).train
     if args.traffic:
-        traffic = print_traffic(base.prompts_per_iteration)
-        with open(os.path.join(os.path.dirname(args.out) or ".", "frozen_dit_traffic.json"), "w") as f:
+        traffic = print_traffic(base.prompts_per_iteration, args.model)
+        name = "frozen_dit_traffic.json" if args.model == "sd35m" else f"frozen_dit_traffic_{args.model}.json"
+        with open(os.path.join(os.path.dirname(out) or ".", name), "w") as f:
             json.dump(traffic, f, indent=2)
         return
     results = {}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    if os.path.isfile(args.out):  # targets measured before are kept (each takes minutes of compiling on 2 cores)
-        with open(args.out) as f:
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    if os.path.isfile(out):  # targets measured before are kept (each takes minutes of compiling on 2 cores)
+        with open(out) as f:
             results = json.load(f)
-    for target in args.targets.split(","):
-        plan = common.MEMORY_PLANS[target]
+    group = base.group_size
+    for target in targets:
+        plan = family.plans[target]
         t0 = time.time()
-        low = compile_phases(target, base.prompts_per_iteration, method=args.method)
-        native = native_bf16(low, compile_phases(target, base.prompts_per_iteration, float32=True, method=args.method))
+        kw = dict(method=args.method, model=args.model)
+        low = compile_phases(target, base.prompts_per_iteration, **kw)
+        native = native_bf16(low, compile_phases(target, base.prompts_per_iteration, float32=True, **kw))
         memories = (plan["memory_gb"],) + tuple(plan.get("also_gb", ()))
-        largest = {str(gb): largest_prompts(native, gb, plan["rollout_chunk"], base.group_size) for gb in memories}
-        largest_cpu = {str(gb): largest_prompts(low, gb, plan["rollout_chunk"], base.group_size) for gb in memories}
-        check = compile_phases(target, largest[str(plan["memory_gb"])], method=args.method) if args.check and largest[str(plan["memory_gb"])] else None
-        results[target if args.method == "grpo" else f"{target}+{args.method}"] = {"plan": plan, "method": args.method, "low": low, "native_bf16": native, "bytes_per_prompt": low["stored"] / low["prompts"],
-                           "hand": hand_estimate(target, base.prompts_per_iteration, low), "largest_prompts": largest,
-                           "largest_prompts_xla_cpu": largest_cpu, "at_largest": check, "compile_s": time.time() - t0}
-        with open(args.out, "w") as f:
+        largest = {str(gb): largest_prompts(native, gb, plan["rollout_chunk"], group) for gb in memories}
+        largest_cpu = {str(gb): largest_prompts(low, gb, plan["rollout_chunk"], group) for gb in memories}
+        check = compile_phases(target, largest[str(plan["memory_gb"])], **kw) if args.check and largest[str(plan["memory_gb"])] else None
+        results[target if args.method == "grpo" else f"{target}+{args.method}"] = {
+            "plan": plan, "method": args.method, "model": args.model, "low": low, "native_bf16": native,
+            "bytes_per_prompt": low["stored"] / low["prompts"], "hand": hand_estimate(target, base.prompts_per_iteration, low, **kw),
+            "largest_prompts": largest, "largest_prompts_xla_cpu": largest_cpu, "at_largest": check, "compile_s": time.time() - t0}
+        with open(out, "w") as f:
             json.dump(results, f, indent=2)
-    print(f"per-device GB, Flow-GRPO on SD3.5-M at {base.prompts_per_iteration} prompts x {base.group_size}: XLA:CPU's compiled peak, "
+    print(f"per-device GB, {family.title} at {base.prompts_per_iteration} prompts x {group}: XLA:CPU's compiled peak, "
           "the bf16 bound (float32 temp in place of XLA:CPU's bf16 temp), the hand estimate; largest prompts by the bound")
     print(f"{'target':8s} {'dev':>3s} {'weights+state':>13s} {'stored':>7s} {'rollout':>8s} {'decode':>7s} {'update':>7s} {'eval':>6s} "
-          f"{'XLA:CPU':>8s} {'bound':>6s} {'hand':>5s} {'memory':>7s} {'GB/prompt':>9s}  largest prompts x 24")
+          f"{'XLA:CPU':>8s} {'bound':>6s} {'hand':>5s} {'memory':>7s} {'GB/prompt':>9s}  largest prompts x {group}")
     for target, r in results.items():
         low, ph = r["low"], r["native_bf16"]["phases"]
         fits = ", ".join(f"{n} ({gb} GB)" for gb, n in r["largest_prompts"].items())
         print(f"{target:8s} {r['plan']['devices']:3d} {low['live'] / GB:13.1f} {low['stored'] / GB:7.2f} {ph['rollout']['peak'] / GB:8.1f} "
               f"{ph['decode']['peak'] / GB:7.1f} {ph['update']['peak'] / GB:7.1f} {ph.get('eval', {}).get('peak', float('nan')) / GB:6.1f} {low['peak'] / GB:8.1f} {r['native_bf16']['peak'] / GB:6.1f} "
               f"{r['hand']['peak'] / GB:5.1f} {r['plan']['memory_gb']:7d} {r['bytes_per_prompt'] / GB:9.3f}  {fits}")
-    with open(args.out, "w") as f:
+    with open(out, "w") as f:
         json.dump(results, f, indent=2)
 
 

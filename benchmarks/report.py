@@ -587,7 +587,7 @@ def _largest(p: dict) -> str:
     return ", ".join(bold(n0(v)) + f" ({k} GB)" if v else f"does not fit ({k} GB)" for k, v in p["largest_prompts"].items())
 
 
-def render_memory_plan(src: Source) -> str:
+def render_memory_plan(src: Source, command: str = "python benchmarks/memory_plan.py") -> str:
     rows = []
     for name, p in src.data.items():
         if "method" in p:
@@ -610,10 +610,10 @@ def render_memory_plan(src: Source) -> str:
               f"largest prompts x {group}"]
     note = (f"GB per device at {any_plan['prompts']} prompts x {group} images; the eval: one batch of the preset's "
             "`eval.batch_size` rows (sampled and decoded, sharded over every device) beside the merged DiT.")
-    return "\n\n".join([table(header, rows), note, provenance(src, "python benchmarks/memory_plan.py", machine())])
+    return "\n\n".join([table(header, rows), note, provenance(src, command, machine())])
 
 
-def render_memory_plan_leapalign(src: Source) -> str:
+def render_memory_plan_leapalign(src: Source, command: str = "python benchmarks/memory_plan.py --method leapalign") -> str:
     rows = []
     for name, p in src.data.items():
         if p.get("method") != "leapalign":
@@ -625,7 +625,7 @@ def render_memory_plan_leapalign(src: Source) -> str:
     group = next(iter(src.data.values()))["low"]
     header = ["plan", "weights + state", "rollout", "decode", "update", "peak: bound (XLA:CPU)",
               f"largest prompts x {group['batch'] // group['prompts']}"]
-    return "\n\n".join([table(header, rows), provenance(src, "python benchmarks/memory_plan.py --method leapalign", machine())])
+    return "\n\n".join([table(header, rows), provenance(src, command, machine())])
 
 
 def render_frozen_dit_traffic(src: Source) -> str:
@@ -733,6 +733,10 @@ REPORTS = {  # block name -> (results file or folder, relative to the repository
     "reward_attacks": (R + "reward_attacks.json", render_reward_attacks),
     "memory_plan": (R + "memory_plan.json", render_memory_plan),
     "memory_plan_leapalign": (R + "memory_plan.json", render_memory_plan_leapalign),
+    "memory_plan_flux": (R + "memory_plan_flux1_dev.json",
+                         lambda src: render_memory_plan(src, "python benchmarks/memory_plan.py --model flux1_dev")),
+    "memory_plan_flux_leapalign": (R + "memory_plan_flux1_dev.json", lambda src: render_memory_plan_leapalign(
+        src, "python benchmarks/memory_plan.py --model flux1_dev --method leapalign")),
     "frozen_dit_traffic": (R + "frozen_dit_traffic.json", render_frozen_dit_traffic),
     "attention_memory": (R + "attention_memory.json", render_attention_memory),
     "simulated_pod": (R + "simulated_pod.json", render_simulated_pod),
