@@ -189,6 +189,9 @@ def test_decoding_in_row_chunks_equals_decoding_at_once(sd3, tmp_path):
     # the same float32 decoder on the same rows, batch 8 (one row per device) vs 32: a matmul's sums may be blocked
     # otherwise (K <= 9 x 64 terms, <= 576 eps ~ 7e-5 relative at worst); a row out of place is O(1)
     assert chunked.shape == whole.shape == (32, RESOLUTION, RESOLUTION, 3) and _rel_err(chunked, whole) < 1e-4
+    # stepwise credit's completions [B, m, h, w, C]: the leading axes fold into the batch, rows in their places
+    stacked = np.asarray(world.decode({"vae": vae}, np.asarray(latents).reshape((8, 4) + latents.shape[1:])))
+    assert stacked.shape == (8, 4, RESOLUTION, RESOLUTION, 3) and _rel_err(stacked.reshape(whole.shape), whole) < 1e-4  # as above
 
 
 def test_loading_places_every_weight_shard_by_shard(sd3, tmp_path, monkeypatch):

@@ -168,7 +168,11 @@ class SD3World:
         return self.pipe.latent_shape(batch, self.world_cfg.resolution)
 
     def decode(self, frozen, x):
-        return self._decode(frozen["vae"], x)
+        """latents [..., h, w, C] -> images [..., H, W, 3]: leading axes beyond the batch (stepwise credit's completions
+        [B, m, ...]) are folded into it for the VAE."""
+        lead = x.shape[:-3]
+        images = self._decode(frozen["vae"], x.reshape((-1,) + x.shape[-3:]))
+        return images.reshape(lead + images.shape[1:])
 
     def decode_rows(self, vae_params, x):
         """latents [B, h, w, C] -> images [B, H, W, 3], `facts.decode_chunk` rows at a time (`train.rollout_chunk`; all
