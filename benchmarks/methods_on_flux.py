@@ -21,7 +21,7 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
 import numpy as np  # noqa: E402
 
@@ -102,8 +102,9 @@ def main() -> None:
                              "trace": traceback.format_exc()[-2000:], "seconds": time.time() - t0}
         print(f"{name:15s} {'ran' if results[name]['ran'] else 'refused/failed':15s} "
               f"{results[name].get('error', '') or 'loss ' + format(results[name]['loss'], '.4g')}", flush=True)
+    from machine import describe  # benchmarks/machine.py (this script's folder)
     with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+        json.dump({"env": describe(), "methods": results}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -628,6 +628,15 @@ def render_memory_plan_leapalign(src: Source, command: str = "python benchmarks/
     return "\n\n".join([table(header, rows), provenance(src, command, machine())])
 
 
+def render_methods_on_flux(src: Source) -> str:
+    rows = []
+    for name, r in src.data["methods"].items():
+        result = f"ran: loss {sig3(r['loss'])}, reward {sig3(r['reward'])}" if r["ran"] else f"failed: {r['error']}"
+        rows.append([f"`configs/{name}.py`", r.get("objective", ""), ", ".join(r.get("credit", ())), r.get("kernel", ""), result])
+    header = ["method config", "objective", "credit", "kernel", "one iteration on the tiny FLUX pipeline"]
+    return "\n\n".join([table(header, rows), provenance(src, "python benchmarks/methods_on_flux.py", machine(src.data.get("env")))])
+
+
 def render_frozen_dit_traffic(src: Source) -> str:
     rows = []
     for name, p in src.data.items():
@@ -733,6 +742,7 @@ REPORTS = {  # block name -> (results file or folder, relative to the repository
     "reward_attacks": (R + "reward_attacks.json", render_reward_attacks),
     "memory_plan": (R + "memory_plan.json", render_memory_plan),
     "memory_plan_leapalign": (R + "memory_plan.json", render_memory_plan_leapalign),
+    "methods_on_flux": (R + "methods_on_flux.json", render_methods_on_flux),
     "memory_plan_flux": (R + "memory_plan_flux1_dev.json",
                          lambda src: render_memory_plan(src, "python benchmarks/memory_plan.py --model flux1_dev")),
     "memory_plan_flux_leapalign": (R + "memory_plan_flux1_dev.json", lambda src: render_memory_plan_leapalign(

@@ -152,12 +152,14 @@ def flux1_dev_train_config(rewards=(), beta: float = 0.0, noise_level: float = 0
 # docs/real_models.md "FLUX.1"): FLUX.1-dev's transformer is 11.9B parameters, 23.8 GB in bf16, T5-XXL 9.5 GB. The
 # frozen weights are bf16 everywhere (as flow_grpo loads them); the DiT is FSDP'd where a replica does not leave room.
 FLUX_MEMORY_PLANS = {
-    "v5p-8": dict(devices=4, memory_gb=95, rollout_chunk=32, microbatch=8, remat=True, param_dtype="bfloat16", frozen_dit="replicate"),
+    # the frozen DiT FSDP'd on every plan: replicated, each DiT call's stacked copy of the scanned blocks' weights
+    # (`models/scan.py`) is a second whole DiT per chip, and the v5p-8 eval's bound reached 105.5 GB of the 95
+    "v5p-8": dict(devices=4, memory_gb=95, rollout_chunk=32, microbatch=8, remat=True, param_dtype="bfloat16", frozen_dit="fsdp"),
     # one H200 (141 GB): on an 80-GB H100 the bf16 bound of the rollout and the eval is past the chip at any batch (the
     # frozen DiT, T5 and the stacked copy of the scanned blocks' weights each DiT call makes: `models/scan.py`)
     "gpu": dict(devices=1, memory_gb=141, also_gb=(80,), rollout_chunk=8, microbatch=2, remat=True, param_dtype="bfloat16"),
     "v5p-64": dict(devices=32, memory_gb=95, mesh=(("data", 8), ("fsdp", 4)), rollout_chunk=288, microbatch=64, remat=True,
-                   param_dtype="bfloat16", frozen_dit="replicate"),
+                   param_dtype="bfloat16", frozen_dit="fsdp"),
     "v6e-64": dict(devices=64, memory_gb=32, mesh=(("data", 8), ("fsdp", 8)), rollout_chunk=128, microbatch=64, remat=True,
                    param_dtype="bfloat16", frozen_dit="fsdp", checkpoint_every=5),
 }

@@ -238,7 +238,7 @@ def _flux_config(folder, prompts, preset="configs/flux1_dev_pickscore.py", **fie
     return load_config(preset, **{**tiny, **fields})
 
 
-def test_flow_grpo_trains_and_resumes_bit_equal_and_leapalign_trains_on_flux(flux, pickscore_folder, tmp_path):
+def test_flow_grpo_trains_and_resumes_bit_equal_and_leapalign_trains_on_flux(flux, pickscore_folder, tmp_path):  # noqa: F811
     import json
     import shutil
     from flowrl_jax import checkpoint, main
@@ -266,14 +266,14 @@ def test_flow_grpo_trains_and_resumes_bit_equal_and_leapalign_trains_on_flux(flu
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # same prompts, noise and reward: bit-equal
 
     leap = {"world.reward_models.pickscore": pickscore_folder, "train.lora_rank": 0, "sampler.sde_window": (),
-            "checkpoint.every": 0}  # the preset's whole-transformer fine-tune, through the VAE's decode and PickScore
+            "checkpoint.every": 0, "train.iterations": 1}  # the preset's whole-transformer fine-tune, through the VAE and PickScore
     out = main.run_job(_flux_config(folder, prompts, "configs/flux1_dev_leapalign.py", **leap), str(tmp_path / "leap"))
     rows = [json.loads(line) for line in open(tmp_path / "leap" / "metrics.jsonl") if '"reward"' in line]
-    assert out["step"] == 2 and len(rows) == 2 and all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
+    assert out["step"] == 1 and len(rows) == 1 and np.isfinite(rows[0]["loss"]) and rows[0]["grad_norm"] > 0
 
 
 @pytest.mark.parametrize("preset", ["flux1_dev_pickscore", "flux1_dev_ocr", "flux1_dev_leapalign"])
-def test_the_flux_presets_validate_on_every_plan_and_a_cfg_setting_is_refused(preset, pickscore_folder):
+def test_the_flux_presets_validate_on_every_plan_and_a_cfg_setting_is_refused(preset, pickscore_folder):  # noqa: F811
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
     from configs import common
     from flowrl_jax.config_lib import ConfigError, load_config

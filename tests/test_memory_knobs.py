@@ -135,13 +135,19 @@ def test_microbatched_update_has_the_whole_minibatch_gradient(smoke_base):
         np.testing.assert_allclose(s1[key], s0[key], rtol=1e-4, atol=1e-7, err_msg=key)  # the same weighted means, reassociated
 
 
-@pytest.mark.parametrize("target", list(common.MEMORY_PLANS))
-def test_every_memory_plan_divides_its_batch_shards(target):
+PLANS = [("sd35m", t) for t in common.MEMORY_PLANS] + [("flux1_dev", t) for t in common.FLUX_MEMORY_PLANS]
+
+
+@pytest.mark.parametrize("model,target", PLANS, ids=[f"{m}:{t}" for m, t in PLANS])
+def test_every_memory_plan_divides_its_batch_shards(model, target):
     """What the train job's setup would refuse on the pod itself: each plan's mesh fills its devices, the chunk and the
     microbatch are whole numbers of batch shards, the chunk divides flow_grpo's 48 x 24 rows; the frozen DiT's rule
     matches the frozen tree's DiT alone (paths 'dit/...'), not a trainable DiT's state or the text encoders."""
-    config = common.sd35m_train_config(plan=target)
-    plan, t = common.MEMORY_PLANS[target], config.train
+    if model == "sd35m":
+        config, plan = common.sd35m_train_config(plan=target), common.MEMORY_PLANS[target]
+    else:
+        config, plan = common.flux1_dev_train_config(plan=target), common.FLUX_MEMORY_PLANS[target]
+    t = config.train
     # the device count is the plan's, not this machine's: the mesh is checked by arithmetic
     sizes = dict(config.mesh)
     filled = [s for s in sizes.values() if s != -1]
