@@ -13,6 +13,7 @@ NOT_FOR_MATH = ("flowrl_jax.metrics", "flowrl_jax.checkpoint", "matplotlib", "PI
 # The rooms, bottom up: a module may import its own level and the levels below it, never above (docs/design.md).
 ROOMS = (
     ("flowrl_jax", "flowrl_jax.parallel", "flowrl_jax.paths", "flowrl_jax.compiler", "flowrl_jax.options", "flowrl_jax.config_lib",
+     "flowrl_jax.keys",
      "flowrl_jax.checkpoint", "flowrl_jax.metrics"),                                   # infrastructure
     ("flowrl_jax.models",),                                                            # networks and their weights
     ("flowrl_jax.sampling", "flowrl_jax.data"),                                        # kernels, rollouts; prompt data

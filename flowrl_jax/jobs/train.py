@@ -11,7 +11,7 @@ world (`worlds/`: prompts, conditioning, decoding, rewards, the eval), the credi
 it needs from the objective) and the objective (`objectives/`: it builds its own training pairs) once;
 `rl/programs.py` jit-compiles the iteration's programs; the loop alone holds the `TrainState`. The policy is the
 whole DiT or LoRA adapters (`train.lora_rank > 0`); the KL reference is the base DiT.
-Everything random derives from `config.seed` and the iteration (`jax.random.fold_in`), so a resumed
+Everything random derives from `config.seed`, a named stream and the iteration (`flowrl_jax/keys.py`), so a resumed
 run equals an uninterrupted one.
 
 The workdir gets `checkpoints/` (orbax, keep-N, resumed automatically), `metrics.jsonl` + TensorBoard
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from flowrl_jax import config_lib, metrics, parallel, paths, rewards
+from flowrl_jax import config_lib, keys, metrics, parallel, paths, rewards
 from flowrl_jax.checkpoint import CheckpointError, Checkpointer
 from flowrl_jax.config_lib import ConfigError
 from flowrl_jax.data import curriculum
@@ -204,7 +204,7 @@ def sample_prompts(job: Job, state: TrainState, it: int) -> Batch:
     if job.reader is not None:
         local = [row for row in next(job.reader) for _ in range(t_cfg.group_size)]
     else:
-        host_rng = np.random.default_rng([job.config.seed, it])
+        host_rng = keys.host(job.config.seed, "prompts", it)
         if cur.enabled:
             drawn = curriculum.draw(jax.tree_util.tree_map(parallel.to_host, state.curriculum), t_cfg.prompts_per_iteration, host_rng, cur)
         else:
@@ -224,7 +224,7 @@ def rollout(job: Job, state: TrainState, batch: Batch, it: int) -> Sampled:
     """The rollout policy's rollout (`rollout_policy`). With `train.score_while_sampling` the rollout runs chunk by chunk
     and each chunk's host and remote rewards are scored on `job.pool` while the next chunk samples (`Sampled.early`)."""
     params = rollout_policy(job, state)
-    rng = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(job.config.seed), it), 0)
+    rng = keys.device(job.config.seed, "rollout", it)
     sched = programs_lib.schedule_of(job.config.sampler, batch.levels)
     run = job.programs.rollout
     if job.pool is None:
@@ -284,7 +284,7 @@ def assign_credit(job: Job, state: TrainState, sampled: Sampled, batch: Batch, s
     ctx = programs_lib.credit_context(job.programs, job.world, job.mesh, job.frozen, rollout_policy(job, state), sampled.rollout,
                                       sampled.schedule, sampled.cond, sampled.null, batch.prompts_local, job.reward_fn)
     extras = credit.prepare(ctx)
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(job.config.seed), it), 2)  # the null control's shuffle
+    key = keys.device(job.config.seed, "null_control", it)
     adv, credit_state, keep = job.programs.credit(sampled.rollout, sampled.schedule, scored["rewards"], scored["group_ids"],
                                                   t_cfg.prompts_per_iteration, state.credit, extras, key)
     state = state.replace(credit=credit_state)
@@ -307,7 +307,7 @@ def update(job: Job, state: TrainState, data, keep: np.ndarray, slots: np.ndarra
     t_cfg, programs, seed = job.config.train, job.programs, job.config.seed
     step_stats, aligned = [], {"alignment_heldout": [], "alignment_trained": []}
     for epoch in range(t_cfg.num_inner_epochs):
-        chunks = minibatches(keep, slots, job.plan.minibatch_size, np.random.default_rng([seed, it, epoch]))
+        chunks = minibatches(keep, slots, job.plan.minibatch_size, keys.host(seed, "minibatches", it, epoch))
         for i, (rows, pair_slots, weight) in enumerate(chunks):
             state, stats = programs.update(state, job.frozen, data, rows, pair_slots, weight)
             step_stats.append(stats)
@@ -388,7 +388,7 @@ def iteration(job: Job, state: TrainState, it: int) -> tuple[TrainState, dict]:
     t1 = time.time()
     scored = score(job, sampled, batch, it)
     state, adv, keep = assign_credit(job, state, sampled, batch, scored, it)
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(job.config.seed), it), 1)  # the iteration's own randomness
+    key = keys.device(job.config.seed, "iteration", it)
     data = programs_lib.iteration_data(job.programs, sampled.rollout, sampled.schedule, adv, sampled.cond, sampled.null, key,
                                        batch.prompts_local)
     t2 = time.time()
@@ -399,7 +399,7 @@ def iteration(job: Job, state: TrainState, it: int) -> tuple[TrainState, dict]:
     t3 = time.time()
     job.history["wall_s"] += t3 - t0
     if before is not None:  # the same-noise change of the final latents, trained vs untrained steps (not in wall_s)
-        change = job.programs.image_change(before, state.params, job.frozen, batch.ids, batch.mask, jax.random.fold_in(key, 7),
+        change = job.programs.image_change(before, state.params, job.frozen, batch.ids, batch.mask, keys.device(job.config.seed, "diagnostics", it),
                                            batch.levels)
         stats.update({f"image_change/{k}": np.asarray(v) for k, v in change.items()})
     if job.history["first_iteration_s"] is None:

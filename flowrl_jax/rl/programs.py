@@ -8,7 +8,7 @@
 `data` is the iteration's `objectives.batch.IterationData`; the objective builds its own training pairs from it
 (`objectives/__init__.py`). The loop owns the state: each program that changes it takes it and returns the new one,
 and the update donates the buffers it was given. Everything random inside the update derives from `config.seed` and
-the update counter, so a resumed run equals an uninterrupted one.
+the update counter (`keys.device(seed, "update", u)`), so a resumed run equals an uninterrupted one.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from flowrl_jax import compiler, credit as credit_lib, parallel
+from flowrl_jax import compiler, credit as credit_lib, keys, parallel
 from flowrl_jax.config_lib import ConfigError
 from flowrl_jax.credit.context import Context
 from flowrl_jax.models import lora_files
@@ -192,7 +192,7 @@ def make_update_fn(policy: Policy, objective, options, optimizer, config, reward
         return jax.lax.scan(body, zeros, chunks)[0]
 
     def update(state: TrainState, frozen, data: IterationData, rows, slots, weight):
-        key = jax.random.fold_in(jax.random.PRNGKey(config.seed + 2), state.updates)
+        key = keys.device(config.seed, "update", state.updates)  # microbatch j: fold_in(key, j), the update stream's own
         (value, aux), grads = accumulated(state, frozen, data, rows, slots, weight, key)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from flowrl_jax import parallel
+from flowrl_jax import keys, parallel
 from flowrl_jax.data import curriculum
 from flowrl_jax.rl.policy import Policy
 
@@ -71,12 +71,12 @@ def place_frozen(plan, base: dict, reward_params: Any = None) -> tuple[dict, Any
 
 def init_state(plan, policy: Policy, frozen: dict, initial: Any = None) -> tuple[TrainState, Any]:
     """-> (the TrainState at step 0, created sharded by the partition rules, its shardings). Its randomness is
-    `fold_in(PRNGKey(seed), 1)`. `initial`: host params the policy starts from instead (an imported LoRA), placed as the
+    `keys.device(seed, "init")`. `initial`: host params the policy starts from instead (an imported LoRA), placed as the
     params, their EMA and the old policy (the optimizer's state starts at zeros either way)."""
     config = plan.config
     build = lambda rng: initial_state(policy, plan.optimizer, plan.credit, plan.objective, config,  # noqa: E731
                                       len(plan.world.train_prompts), frozen["dit"], rng)
-    rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
+    rng = keys.device(config.seed, "init")
     shardings = parallel.tree_shardings(jax.eval_shape(build, rng), plan.mesh, config.partition_rules, config.min_fsdp_size)
     state = jax.jit(build, out_shardings=shardings)(rng)
     if initial is not None:

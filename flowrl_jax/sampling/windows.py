@@ -6,7 +6,7 @@
 `sampler.sde_window = (start, size)` is the window (`()` = every step); `sampler.window` (`DEFAULTS`) says how it moves:
 - `fixed`: the same window every iteration (Flow-GRPO, DanceGRPO).
 - `random` (flow_grpo's `train_sd3_fast.py`): each iteration draws `start` uniformly in `range[0] .. range[1] - size`
-  (inclusive; upstream's `random.randint(lo, hi - size)`), from `(seed, it)` so every process draws the same.
+  (inclusive; upstream's `random.randint(lo, hi - size)`), from `keys.host(seed, "window", it)`: every process draws the same.
 - `sliding` (MixGRPO's `--sample_strategy progressive`): `start = start_0 + (it // shift_every) * stride`, wrapped back
   to 0 past the last start that fits (`wrap`, MixGRPO's `--roll_back`) or held there.
 Only the window's steps are trained (`objectives.grpo.slots`); the size never changes, so one compile serves every window.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from flowrl_jax import keys
 from flowrl_jax.options import resolve
 from flowrl_jax.sampling.rollout import check_tail, noise_levels
 
@@ -48,7 +49,7 @@ def window_at(sampler, it: int, seed: int) -> tuple[int, int]:
         if not 0 <= lo <= hi - size or hi > steps:
             raise ValueError(f"sampler.window.range=({lo}, {hi}) cannot hold a window of {size} steps in {steps}: "
                              f"need 0 <= lo <= hi - {size} and hi <= {steps}")
-        return int(np.random.default_rng([seed, it, 3]).integers(lo, hi - size + 1)), size
+        return int(keys.host(seed, "window", it).integers(lo, hi - size + 1)), size
     if o.schedule == "sliding":
         if o.shift_every < 1 or o.stride < 0:
             raise ValueError(f"sampler.window.shift_every={o.shift_every} must be >= 1 and stride={o.stride} >= 0")
