@@ -59,9 +59,17 @@ def test_torch_reference_matches_flowrl_jax(pair):
         np.testing.assert_allclose(float(t["grad_norm"]), float(s["grad_norm"]), rtol=2e-5)
     # the second minibatch comes after one AdamW step: the ratio is no longer 1 on either side
     assert float(stats[1]["approx_kl"]) > 0
-    # and after both steps the adapters agree (measured: 4e-8 apart; one step moves them by ~lr = 3e-4)
+    # and after both steps the adapters agree. AdamW's step lr m^ / (sqrt(v^) + eps) is ~lr = 3e-4 per element whatever the
+    # gradient's size, so an element whose gradient is a cancellation within float32 rounding of 0 takes a step whose size
+    # is set by that rounding, on each side its own: such elements may differ by up to the two steps' 2 x 2 lr (seen: 3 of
+    # 1,024 elements, up to 2.8e-5). Every other element follows the gradients that agree above: their steps agree to the
+    # gradients' 2e-5 relative, 2 x 2e-5 lr = 1.2e-8, plus float32 ulps of values ~0.2 (1.5e-8): 1e-7 each. A porting
+    # error (lr, sign, clipping, weight decay, EMA) moves most elements by ~lr: so 99% of elements within 1e-7 (measured
+    # 4e-8 at most), and every element within 4 lr.
     ours = flax.traverse_util.flatten_dict(jax.device_get(pair.state.params), sep="/")
     theirs = side.adapters()
     assert sorted(ours) == sorted(theirs)
-    for path, value in ours.items():
-        np.testing.assert_allclose(theirs[path], value, atol=1e-6, err_msg=path)
+    diffs = np.concatenate([np.abs(theirs[path] - value).ravel() for path, value in ours.items()])
+    lr = float(pair.config.train.lr)
+    assert np.mean(diffs <= 1e-7) >= 0.99, np.sort(diffs)[-20:]  # 1e-7: gradient agreement + ulps (derived above)
+    assert diffs.max() <= 4 * lr, diffs.max()  # two AdamW steps per side, each <= lr per element

@@ -44,7 +44,7 @@ def pair_times(iteration_key, rows, slots, options) -> jax.Array:
     """[M] the time of each pair under `options.times` (module doc); `iteration_key`: the iteration's (`IterationData.key`)."""
     if options["times"] == "midpoints":
         return training_times(options["timesteps"], options["shift"])[slots]
-    sigmas = schedule.sigmas(options["num_steps"], options["shift"], options["grid"])[:-1]
+    sigmas = schedule.sigmas(options["num_steps"], options["shift"], options.get("grid", "sd3"))[:-1]
     order = jax.vmap(lambda r: jax.random.permutation(jax.random.fold_in(iteration_key, r), sigmas.shape[0]))(rows)
     return sigmas[jnp.take_along_axis(order, slots[:, None], axis=1)[:, 0]]
 

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
+import jax
+import jax.numpy as jnp
+
 from flowrl_jax.models import lora
 from flowrl_jax.models.mmdit import MMDiT
 from flowrl_jax.sampling import kernels, rollout as rollout_lib
@@ -25,8 +28,11 @@ class Policy:
         self.dit, self.lora_rank, self.lora_init = dit, lora_rank, lora_init
 
     def init(self, frozen_dit, rng):
-        return (lora.init_adapters(frozen_dit, rng, rank=self.lora_rank, targets=self.dit.lora_targets, init=self.lora_init)
-                if self.lora_rank else frozen_dit)
+        """LoRA adapters (float32), or the whole DiT as float32 master weights (the frozen copy may be bf16: a memory
+        plan's `world.param_dtype`; Adam on bf16 weights loses updates below their ulp)."""
+        if self.lora_rank:
+            return lora.init_adapters(frozen_dit, rng, rank=self.lora_rank, targets=self.dit.lora_targets, init=self.lora_init)
+        return jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), frozen_dit)
 
     def variables(self, trainable, frozen_dit) -> dict:
         return {"params": frozen_dit, "lora": trainable} if self.lora_rank else {"params": trainable}
@@ -36,8 +42,10 @@ class Policy:
         return {"params": self.merged(trainable, frozen_dit)}
 
     def merged(self, trainable, frozen_dit):
-        """Plain DiT params (adapters folded in): what eval and export use."""
-        return lora.merge(frozen_dit, trainable, self.dit.lora_alpha) if self.lora_rank else trainable
+        """Plain DiT params (adapters folded in), in the frozen DiT's dtypes: what sampling, eval and export use."""
+        if self.lora_rank:
+            return lora.merge(frozen_dit, trainable, self.dit.lora_alpha)
+        return jax.tree_util.tree_map(lambda t, f: t.astype(f.dtype), trainable, frozen_dit)
 
     def velocity_fn(self, dit_variables) -> Callable:
         """`(x, sigma [B], cond) -> v`, the form `sampling.rollout.guided` takes."""

@@ -184,7 +184,7 @@ def make_update_fn(policy: Policy, objective, options, optimizer, config, reward
             j, rows_j, slots_j, weight_j = inputs
             out = value_and_grad(state, frozen, data, rows_j, slots_j, weight_j, jax.random.fold_in(key, j))
             share = weight_j.sum() / total
-            return jax.tree_util.tree_map(lambda a, x: a + share * x, acc, out), None
+            return jax.tree_util.tree_map(lambda a, x: (a + share * x).astype(a.dtype), acc, out), None
 
         chunks = (jnp.arange(m // microbatch),) + tuple(a.reshape(m // microbatch, microbatch) for a in (rows, slots, weight))
         shapes = jax.eval_shape(lambda: value_and_grad(state, frozen, data, *(a[0] for a in chunks[1:]), key))
