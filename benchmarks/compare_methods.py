@@ -70,7 +70,8 @@ def entry_config(name: str, seed: int, args, eval_at_start: bool = False):
     config.update_from_flattened_dict({**overrides, **getattr(args, "overrides", {})})
     config.train.update(iterations=10_000, time_budget_s=float(args.budget_s))
     config.eval.update(every=args.eval_every, at_start=eval_at_start, per_category=args.per_category,
-                       samples_per_prompt=args.samples_per_prompt)
+                       samples_per_prompt=args.samples_per_prompt, cfg=getattr(args, "eval_cfg", 3.0))  # one eval for every
+    # method, the base's: the CFG-free configs (Fast, NFT) evaluate at CFG 1 on their own, as upstream
     config.checkpoint.update(every=10_000)
     config.seed = seed
     return config
@@ -80,6 +81,8 @@ def eval_settings(args) -> dict:
     """What makes two evals comparable: the same prompts, samples and noise (and `--set` overrides, when any, so that a
     trial at toy shapes never merges with real runs)."""
     settings = {"per_category": args.per_category, "samples_per_prompt": args.samples_per_prompt}
+    if getattr(args, "eval_cfg", 3.0) != 3.0:  # the default is left out, so the cached base eval of 3.0 still matches
+        settings["eval_cfg"] = args.eval_cfg
     settings = {**settings, "overrides": args.overrides} if getattr(args, "overrides", None) else settings
     return json.loads(json.dumps(settings))  # as a run's JSON reads it back (tuples as lists), so the two compare equal
 
@@ -213,6 +216,7 @@ def main() -> None:
     parser.add_argument("--eval_every", type=int, default=0, help="iterations between evals (0: only before and at the end)")
     parser.add_argument("--per_category", type=int, default=0, help="test prompts per category (0: all 420)")
     parser.add_argument("--samples_per_prompt", type=int, default=2)
+    parser.add_argument("--eval_cfg", type=float, default=3.0, help="every run's eval CFG, the base's too (one eval for all)")
     parser.add_argument("--workdir", default="/tmp/compare_methods")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "compare"))
     parser.add_argument("--rerun", action="store_true", help="run again the (entry, seed) pairs that already have a JSON")

@@ -187,7 +187,8 @@ def build_job(config, devices, model: str = "sd35m") -> SimpleNamespace:
             f = init_pipeline(rng)
             return {**f, "reward": {"vae": f["vae"], "rewards": {"pickscore": init_reward()}}}
     options = objectives.resolve_options(config, pipe.dit.token_patch)
-    credit = credit_lib.build(config.credit.names, config.credit, config.advantage.global_std, config.advantage.clip)
+    credit = credit_lib.build(config.credit.names, config.credit, config.advantage.global_std, config.advantage.clip,
+                               config.advantage.std_eps, config.advantage.std_ddof)
     optimizer = make_optimizer(t)
     rules, min_size = config.partition_rules, config.min_fsdp_size
     frozen_sh = parallel.tree_shardings(frozen, mesh, rules, min_size)

@@ -9,8 +9,8 @@ forward per step, no unconditional branch; `sampler.cfg=1`), the CPS kernel at n
 log-prob (`sampler.logprob_form="cps_compat"`), clip range 1e-5, no KL (beta 0), independent initial noise per image
 (`same_latent=False`). Differences, forced by the embedded budget (`common.embedded_train_config()`): 8 prompts x 12
 per iteration (upstream 48 x 24), and one window per iteration for the whole batch (upstream draws one per sampling batch
-per GPU, so a group can mix windows); eval stays CFG 3 like every method's config, so `compare_methods.py` uses one eval
-(upstream evaluates its No-CFG model at CFG 1: `--config.eval.cfg=1`).
+per GPU, so a group can mix windows). Eval at CFG 1, as upstream evaluates its No-CFG model (`eval_guidance_scale=1`);
+`--config.eval.cfg=3` is the embedded world's usual eval, the one the other methods' configs keep.
 """
 from configs import common
 
@@ -21,5 +21,6 @@ def get_config(arg: str = ""):
                           same_noise_per_group=False)
     config.sampler.window.update(schedule="random", range=(0, 5))
     config.objective.grpo.update(clip_range=1e-5, beta=0.0)
+    config.eval.cfg = 1.0
     config.lock()
     return config

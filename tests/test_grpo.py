@@ -31,6 +31,25 @@ def test_group_advantages_against_numpy():
     assert float(a[0]) == 5.0 and abs(float(a[1]) + 1 / np.sqrt(29)) < 1e-3
 
 
+def test_per_group_std_equals_flow_grpos_tracker_and_mixgrpos_group_code():
+    """`advantage.global_std=False` as GRPO-Guard's configs run flow_grpo's `PerPromptStatTracker` (numpy population std
+    per prompt + 1e-4, `stat_tracking.py` lines 25-31), and `std_ddof=1, std_eps=1e-8` as MixGRPO's `train_grpo_flux.py`
+    (lines 447-449: `group_rewards.std() + 1e-8`, torch's unbiased std), both written out per group in float64."""
+    rng = np.random.default_rng(0)
+    r = rng.uniform(0, 1, 24).astype(np.float32)
+    g = np.repeat(np.arange(4), 6)
+    tracker = np.zeros(24)
+    mix = np.zeros(24)
+    for k in range(4):
+        group_r = r[g == k].astype(np.float64)
+        tracker[g == k] = (group_r - group_r.mean()) / (np.std(group_r) + 1e-4)
+        mix[g == k] = (group_r - group_r.mean()) / (group_r.std(ddof=1) + 1e-8)
+    # float32 means and stds of 6 values in [0, 1] (a few roundings each, ~1e-7 relative) against float64, then a
+    # quotient: <= 1e-6 relative, so 1e-5 (a population vs sample std, sqrt(6/5) = 1.095, is 9.5% off)
+    np.testing.assert_allclose(group.group_advantages(r, g, 4, global_std=False), tracker, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(group.group_advantages(r, g, 4, global_std=False, eps=1e-8, ddof=1), mix, rtol=1e-5, atol=1e-6)
+
+
 def test_uniform_credit_and_dropping_all_zero_samples():
     r = jnp.array([0.3, 0.3, 0.1, 0.9])  # group 0 has no spread: its samples carry no signal
     sched = rollout.Schedule(schedule.sigmas(4, 1.0), rollout.noise_levels(4, 0.7, (1, 2)))

@@ -91,16 +91,60 @@ def test_sde_mean_and_std_match_a_hand_computation():
         np.testing.assert_allclose(float(std[0]), std_dev_t * math.sqrt(-dt), rtol=1e-5)
 
 
+def _upstream_step(kind, x, v, sigma, nxt, a, sigma_max):
+    """flow_grpo's `sde_step_with_logprob` (flow_grpo/diffusers_patch/sd3_sde_with_logprob.py at upstream 9745241,
+    lines 50-74) written out in float64: -> (prev_sample_mean, the noise's std). `sde`: `std_dev_t = sqrt(sigma / (1 -
+    sigma_safe)) a` scaled by `sqrt(-dt)`; `cps`: `std_dev_t = sigma_prev sin(a pi / 2)`, `x0 = x - sigma v`,
+    `x1 = x + v (1 - sigma)`, mean `x0 (1 - sigma_prev) + x1 sqrt(sigma_prev^2 - std_dev_t^2)`."""
+    x, v = np.asarray(x, np.float64), np.asarray(v, np.float64)
+    dt = nxt - sigma
+    if kind == "sde":
+        std_dev_t = math.sqrt(sigma / (1 - (sigma_max if sigma == 1 else sigma))) * a
+        mean = x * (1 + std_dev_t**2 / (2 * sigma) * dt) + v * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
+        return mean, std_dev_t * math.sqrt(-dt)
+    std_dev_t = nxt * math.sin(a * math.pi / 2)
+    x0, x1 = x - sigma * v, x + v * (1 - sigma)
+    return x0 * (1 - nxt) + x1 * math.sqrt(nxt**2 - std_dev_t**2), std_dev_t
+
+
 @pytest.mark.parametrize("kind", ["sde", "cps"])
-def test_affine_coefficient_is_the_derivative_of_the_mean_in_v(kind):
-    # c_v (docs/math.md §4's path-variance coefficient) against jax.jacfwd of the kernel mean
-    x = jnp.full((1, 1, 1, 1), 0.3)
+def test_affine_coefficient_is_the_derivative_of_upstreams_mean_in_v(kind):
+    # c_v (docs/math.md §4's path-variance coefficient) against the central difference of the float64 transcription above
+    # (linear in v: the difference is exact up to float64 rounding, ~1e-13)
+    s = [float(u) for u in SIGMAS]
     for i in (0, 4, 8):
-        mean_of_v = lambda v: kernels.transition(kind, lambda y, t: v, x, SIGMAS[i], SIGMAS[i + 1], 0.7, SIGMAS[1])[0]  # noqa: E731
-        d = jax.jacfwd(mean_of_v)(jnp.full((1, 1, 1, 1), -1.2)).reshape(())
-        _, c_v, _ = kernels.affine_coefficients(kind, SIGMAS[i], SIGMAS[i + 1], 0.7, SIGMAS[1])
-        # the mean is linear in v, so the tangent is c_v itself from the same ~6 float32 ops (FMA fusion aside: <= 3 eps)
-        np.testing.assert_allclose(d, c_v, rtol=1e-5)
+        for a in (0.3, 0.7):
+            h = 1e-3
+            d = (_upstream_step(kind, 0.3, -1.2 + h, s[i], s[i + 1], a, s[1])[0] - _upstream_step(kind, 0.3, -1.2 - h, s[i], s[i + 1], a, s[1])[0]) / (2 * h)
+            _, c_v, _ = kernels.affine_coefficients(kind, SIGMAS[i], SIGMAS[i + 1], a, SIGMAS[1])
+            # c_v in float32 from <= 8 roundings of terms <= 1 (cps: two products and a sqrt): <= 8 eps relative, with
+            # no cancellation for sde; cps's c_v = -sigma (1 - sigma') + (1 - sigma) rest may cancel to |c_v| ~ 0.1, so
+            # absolute 8 eps x (terms <= 1) ~ 1e-6
+            np.testing.assert_allclose(float(c_v), d, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("a", [0.3, 0.8])
+def test_cps_mean_std_and_compat_logprob_equal_upstreams_at_a_positive_noise_level(a):
+    """Flow-CPS (`sde_type == "cps"`) at noise level a > 0: the mean and std against the transcription above, and the
+    published log-prob `-mean((x' - mu)^2)` over the sample's elements (no constants, no 1/(2 std^2)) against ours
+    (`logprob_form="cps_compat"`, the token means' mean: equal-size tokens)."""
+    s = [float(u) for u in SIGMAS]
+    x = _state(2)
+    v = jax.random.normal(jax.random.PRNGKey(3), x.shape)
+    for i in (0, 3, 7):
+        mean, std, _ = kernels.transition("cps", lambda y, t: v, x, SIGMAS[i], SIGMAS[i + 1], a, SIGMAS[1])
+        ref_mean, ref_std = _upstream_step("cps", x, v, s[i], s[i + 1], a, s[1])
+        # float32: x0, x1 (2 roundings each), two products and a sum (3 more), terms |.| <= 4 (|x|, |v| <= 4): <= 8 eps x 8
+        # = 7.6e-6 absolute, with cancellation possible in the sum (so absolute, not relative)
+        np.testing.assert_allclose(np.asarray(mean), ref_mean, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(float(std[0]), ref_std, rtol=1e-6)  # sigma' sin(a pi / 2): 2 roundings (measured ~1e-7)
+        z = np.asarray(jax.random.normal(jax.random.PRNGKey(4 + i), x.shape), np.float64)
+        x_next = ref_mean + ref_std * z
+        ref_logp = -np.mean((x_next - ref_mean) ** 2, axis=(1, 2, 3))  # upstream's log_prob.mean over non-batch dims
+        ours = np.asarray(kernels.token_logprob(jnp.asarray(x_next, jnp.float32), mean, std, 4, "cps_compat")).mean(1)
+        # |mu - mu64| <= 1e-5 (above) against |x' - mu| ~ std ~ 0.1-0.8: each square moves by <= 2 x 1e-5 / 0.1 relative,
+        # and the mean of squares averages those: rtol 1e-3 (a wrong form, e.g. with 1 / (2 std^2), is O(1) off)
+        np.testing.assert_allclose(ours, ref_logp, rtol=1e-3)
 
 
 def _w2_after_one_step(kind, a, i, n=1_000_000):

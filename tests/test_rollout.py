@@ -86,33 +86,50 @@ def test_sharded_rollout_on_eight_devices_equals_one_device(tiny_model, tiny_par
 SIGMA_ATOL = 5e-7
 
 
-def test_tail_schedule_regrids_the_steps_after_the_window_by_hand():
-    """T = 10, shift 1: sigma_i = 1 - 0.111 i (i < 10), sigma_10 = 0. Window (2, 2): e = 4, six tail steps, upstream's
-    int((10 - 4 + 1) ratio) grid points, one step fewer."""
-    sigmas = schedule.sigmas(10, 1.0)
-    base = np.append(1 - 0.111 * np.arange(10), 0.0)
-    levels = rollout.noise_levels(10, 0.7, (2, 2))
-    # ratio 0.8: int(5.6) = 5 points, 4 steps at 4 + 1.5 k -> sigma_4, (sigma_5 + sigma_6) / 2, sigma_7, (sigma_8 + sigma_9) / 2, 0
-    frm, to, active, tail = rollout.tail_schedule(sigmas, levels, 0.8)
-    grid = [base[4], (base[5] + base[6]) / 2, base[7], (base[8] + base[9]) / 2, 0.0]
-    # SIGMA_ATOL: 6 float32 roundings of values <= 1 (linspace 2, interp 4), 3.6e-7 (derived above the constant)
-    np.testing.assert_allclose(frm[:8], np.concatenate([base[:4], grid[:4]]), atol=SIGMA_ATOL)  # 6 roundings <= 3.6e-7
-    np.testing.assert_allclose(to[:8], np.concatenate([base[1:5], grid[1:]]), atol=SIGMA_ATOL)  # 6 roundings <= 3.6e-7
-    np.testing.assert_array_equal(active, [True] * 8 + [False] * 2)
-    np.testing.assert_array_equal(tail, [False] * 4 + [True] * 6)
-    # ratio 0.4: int(2.8) = 2 points -> one step sigma_4 -> 0, then five skipped steps
-    frm, to, active, _ = rollout.tail_schedule(sigmas, levels, 0.4)
-    np.testing.assert_allclose([frm[4], to[4]], [base[4], 0.0], atol=SIGMA_ATOL)  # 6 roundings <= 3.6e-7
-    np.testing.assert_array_equal(active, [True] * 5 + [False] * 5)
-    # no SDE step (an ODE rollout): the whole trajectory is the tail; ratio 0.55: int(6.05) = 6 points, sigma_0, sigma_2, ...
-    frm, to, active, tail = rollout.tail_schedule(sigmas, jnp.zeros(10), 0.55)
-    np.testing.assert_allclose(frm[:5], base[0:10:2], atol=SIGMA_ATOL)  # 6 roundings <= 3.6e-7
-    np.testing.assert_array_equal(active, [True] * 5 + [False] * 5)
-    assert bool(np.all(tail))
-    # ratio 1: every step on the base grid
-    frm, to, active, _ = rollout.tail_schedule(sigmas, levels, 1.0)
-    np.testing.assert_allclose(frm, base[:-1], atol=SIGMA_ATOL)  # 6 roundings <= 3.6e-7
-    assert bool(np.all(active))
+def _mixgrpo_flash_grid(num_steps, last, ratio, shift):
+    """A float64 transcription of MixGRPO-Flash's tail (`fastvideo/utils/sampling_utils.py` lines 33-51, commit e5cdd6a) on
+    its own base grid `sd3_time_shift(shift, linspace(1, 0, N + 1))`: the schedule up to the window's last SDE step
+    `last`, then `int(max((N - last) ratio, 1))` points evenly spaced in unshifted time from `linspace(1, 0, N + 1)[last + 1]`
+    to 0, shifted."""
+    sh = lambda t: shift * t / (1 + (shift - 1) * t)  # noqa: E731 (sd3_time_shift)
+    base = sh(np.linspace(1, 0, num_steps + 1))
+    points = int(max((num_steps - last) * ratio, 1))
+    post = sh(np.linspace(np.linspace(1, 0, num_steps + 1)[last + 1], 0, points))
+    return base, np.concatenate([base[: last + 1], post]), points
+
+
+@pytest.mark.parametrize("shift", [1.0, 3.0])
+@pytest.mark.parametrize("window,ratio", [((0, 4), 0.4), ((2, 2), 0.8), ((0, 2), 0.4), ((5, 3), 0.2), ((0, 4), 0.55)])
+def test_tail_schedule_is_mixgrpo_flashs_grid(shift, window, ratio):
+    """On MixGRPO's base grid (N = 25 as its scripts, or 10), the tail steps go between upstream's points; where upstream keeps
+    a single point (never reaching 0: `int(max(., 1)) = 1`), ours takes one step from sigma_e to 0."""
+    for num_steps in (10, 25):
+        start, size = window
+        last = start + size - 1
+        base, reference, points = _mixgrpo_flash_grid(num_steps, last, ratio, shift)
+        levels = rollout.noise_levels(num_steps, 0.7, window)
+        frm, to, active, tail = (np.asarray(u) for u in rollout.tail_schedule(jnp.asarray(base, jnp.float32), levels, ratio, shift))
+        e = last + 1
+        np.testing.assert_array_equal(tail, np.arange(num_steps) >= e)
+        # float32: sigma_e read from the base grid (1 rounding), unshifted and t scaled (4), shifted back (4): 9 roundings of
+        # values <= 1 relative to their size, so <= 9 x 6e-8 = 5.4e-7 absolute; a grid spaced otherwise is off by >= 1e-2
+        np.testing.assert_allclose(frm[:e], base[:e], atol=SIGMA_ATOL)  # the window and before: the base grid, 2 roundings
+        if points >= 2:
+            n = points - 1
+            np.testing.assert_array_equal(active, np.arange(num_steps) < e + n)
+            np.testing.assert_allclose(frm[e : e + n], reference[e : e + n], atol=1e-6)  # 9 roundings <= 5.4e-7 (above)
+            np.testing.assert_allclose(to[e : e + n], reference[e + 1 : e + n + 1], atol=1e-6)  # 9 roundings <= 5.4e-7
+        else:  # upstream's edge: one point, sigma_e, and no step to 0; ours: one step sigma_e -> 0
+            np.testing.assert_allclose([frm[e], to[e]], [reference[e], 0.0], atol=1e-6)  # 9 roundings <= 5.4e-7
+            np.testing.assert_array_equal(active, np.arange(num_steps) < e + 1)
+
+
+def test_tail_schedule_at_ratio_1_keeps_the_base_grid():
+    sigmas = schedule.sigmas(10, 3.0)
+    frm, to, active, tail = rollout.tail_schedule(sigmas, rollout.noise_levels(10, 0.7, (2, 2)), 1.0, 3.0)
+    np.testing.assert_array_equal(frm, sigmas[:-1])
+    np.testing.assert_array_equal(to, sigmas[1:])
+    assert bool(np.all(active)) and list(np.asarray(tail)) == [False] * 4 + [True] * 6
 
 
 def test_dpm_solver_2m_converges_at_second_order_to_the_gaussian_closed_form():
@@ -144,7 +161,8 @@ def test_a_coarser_tail_keeps_the_window_and_skipped_steps_leave_the_state():
     sigmas = schedule.sigmas(10, 1.0)
     levels = rollout.noise_levels(10, 0.7, (2, 2))
     plain = rollout.rollout(velocity, x_T, sigmas, levels, jax.random.PRNGKey(1), "sde", 2)
-    # ratio 0.6: int(4.2) = 4 points, 3 steps: sigma_4 -> sigma_6 -> sigma_8 -> 0, steps 7-9 skipped
+    # ratio 0.6: int(4.2) = 4 points evenly spaced from sigma_4 to 0 (shift 1: unshifted time is sigma), 3 steps:
+    # sigma_4 -> 2 sigma_4 / 3 -> sigma_4 / 3 -> 0, steps 7-9 skipped
     flash = rollout.rollout(velocity, x_T, sigmas, levels, jax.random.PRNGKey(1), "sde", 2, tail_solver="dpm2m", tail_ratio=0.6)
     # Steps 0..3 (the prefix and the window) are the same draws by the same kernel; the cond around them may fuse
     # differently: a few FMA roundings per step on |x| <= 3, as in the first test (1e-6).
@@ -153,8 +171,9 @@ def test_a_coarser_tail_keeps_the_window_and_skipped_steps_leave_the_state():
     for t in range(7, 10):  # skipped: the state stays
         np.testing.assert_array_equal(flash.next_states[:, t], flash.states[:, t])
     np.testing.assert_array_equal(flash.final, flash.next_states[:, 6])
-    # step 4: sigma_4 -> sigma_6 by DPM-Solver++(2M) from the window's last x0, in float64 by hand from the recorded states
-    s4, s6, s3 = (float(sigmas[i]) for i in (4, 6, 3))
+    # step 4: sigma_4 -> 2 sigma_4 / 3 by DPM-Solver++(2M) from the window's last x0, in float64 by hand from the recorded states
+    s4, s3 = (float(sigmas[i]) for i in (4, 3))
+    s6 = 2 * s4 / 3
     lam = lambda s: np.log((1 - s) / s)  # noqa: E731
     h, h_prev = lam(s6) - lam(s4), lam(s4) - lam(s3)
     x, x0, x0_prev = (np.asarray(a, np.float64) for a in (flash.states[:, 4], flash.x0_hat[:, 4], flash.x0_hat[:, 3]))

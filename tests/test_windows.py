@@ -12,15 +12,52 @@ def _sampler(num_steps, sde_window, **window):
                        "window": {**windows.DEFAULTS, **window}})
 
 
-def test_sliding_window_moves_as_mixgrpo_and_wraps_or_holds():
-    # MixGRPO: 25 steps, a window of 4 from 0, 1 step every 25 iterations; the last start that fits is 21.
-    s = _sampler(25, (0, 4), schedule="sliding", shift_every=25, stride=1)
-    starts = {it: windows.window_at(s, it, seed=0)[0] for it in (0, 24, 25, 49, 50, 525, 549, 550, 575)}
-    assert starts == {0: 0, 24: 0, 25: 1, 49: 1, 50: 2, 525: 21, 549: 21, 550: 0, 575: 1}  # 550 // 25 = 22 -> wraps to 0
-    held = _sampler(25, (0, 4), schedule="sliding", shift_every=25, stride=1, wrap=False)
-    assert windows.window_at(held, 550, 0) == (21, 4) and windows.window_at(held, 10_000, 0) == (21, 4)
-    levels = np.asarray(sampler_levels(s, windows.window_at(s, 50, 0)))
-    np.testing.assert_array_equal(np.flatnonzero(levels), [2, 3, 4, 5])
+class MixGRPOStates:
+    """A transcription of MixGRPO's `fastvideo/utils/grpo_states.py` progressive strategy (commit e5cdd6a), the
+    reference the sliding schedule is checked against: `update_iteration` after each iteration's
+    `get_current_timesteps`, `max_timesteps = sampling_steps - 2` (`train_grpo_flux.py`)."""
+
+    def __init__(self, sampling_steps, group_size, init_timestep, iters_per_group, overlap_step, roll_back):
+        self.max_timesteps, self.group_size, self.init = sampling_steps - 2, group_size, init_timestep
+        self.iters_per_group, self.overlap_step, self.roll_back = iters_per_group, overlap_step, roll_back
+        self.cur_timestep, self.cur_iter_in_group = init_timestep, 0
+
+    def get_current_timesteps(self):
+        return list(range(self.cur_timestep, min(self.cur_timestep + self.group_size, self.max_timesteps)))
+
+    def update_iteration(self):
+        self.cur_iter_in_group += 1
+        if self.cur_iter_in_group >= self.iters_per_group:
+            self.cur_iter_in_group = 0
+            self.cur_timestep += self.overlap_step
+        if self.cur_timestep > self.max_timesteps:
+            if self.roll_back:
+                self.cur_timestep, self.cur_iter_in_group = self.init, 0
+            else:
+                self.cur_timestep = self.max_timesteps
+
+
+@pytest.mark.parametrize("steps,size,start,every,stride,wrap", [(25, 4, 0, 25, 1, True), (25, 3, 0, 20, 1, True),
+                                                               (10, 2, 0, 3, 1, True), (10, 2, 1, 2, 2, True),
+                                                               (12, 4, 0, 2, 1, False)])
+def test_sliding_window_follows_mixgrpos_states_through_the_end(steps, size, start, every, stride, wrap):
+    """Every iteration's trained steps equal upstream's, through the end of the schedule (windows cut at T - 2, empty at
+    start T - 2) and the roll back (or the clip without it), over several full cycles."""
+    s = _sampler(steps, (start, size), schedule="sliding", shift_every=every, stride=stride, wrap=wrap)
+    ref = MixGRPOStates(steps, size, start, every, stride, wrap)
+    for it in range(every * (steps + 3) * 2):
+        lo, n = windows.window_at(s, it, seed=0)
+        expected = ref.get_current_timesteps()
+        assert list(range(lo, lo + n)) == expected, (it, lo, n, expected)
+        assert list(np.flatnonzero(sampler_levels(s, (lo, n)))) == expected
+        ref.update_iteration()
+
+
+def test_the_whole_window_rule_keeps_the_size_and_wraps_at_the_last_start_that_fits():
+    # end="whole" (the earlier rule): 25 steps, a window of 4 from 0, 1 step every 25 iterations; last start 21.
+    s = _sampler(25, (0, 4), schedule="sliding", shift_every=25, stride=1, end="whole")
+    starts = {it: windows.window_at(s, it, seed=0) for it in (0, 25, 525, 550)}
+    assert starts == {0: (0, 4), 25: (1, 4), 525: (21, 4), 550: (0, 4)}  # 550 // 25 = 22 -> wraps to 0
 
 
 def test_random_window_is_uniform_over_upstreams_starts_and_the_same_on_every_call():

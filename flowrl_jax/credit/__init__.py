@@ -71,8 +71,9 @@ class Credit(NamedTuple):
     uses_reward_model: bool = False      # a scheme of the chain differentiates the world's reward model
 
 
-def build(names, options=None, global_std: bool = True, clip: float = 5.0) -> Credit:
-    """The composed scheme `names` (applied left to right); `options[name]` overrides a scheme's defaults."""
+def build(names, options=None, global_std: bool = True, clip: float = 5.0, std_eps: float = 1e-4, std_ddof: int = 0) -> Credit:
+    """The composed scheme `names` (applied left to right); `options[name]` overrides a scheme's defaults; the group
+    normalisation's `global_std`, `clip`, `std_eps`, `std_ddof` (`group.group_advantages`, `config.advantage`)."""
     names = (names,) if isinstance(names, str) else tuple(names)
     unknown = [n for n in names if n not in SCHEMES]
     if unknown or not names:
@@ -97,7 +98,7 @@ def build(names, options=None, global_std: bool = True, clip: float = 5.0) -> Cr
 
     def apply(inputs: dict, state: dict):
         def normalize(r, group_std: bool = not global_std):
-            return group.group_advantages(r, inputs["group_ids"], inputs["num_groups"], not group_std, clip)
+            return group.group_advantages(r, inputs["group_ids"], inputs["num_groups"], not group_std, clip, std_eps, std_ddof)
 
         inputs = {**inputs, "normalize": normalize}
         adv = normalize(inputs["rewards"])[:, None, None]

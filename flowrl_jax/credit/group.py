@@ -1,10 +1,11 @@
 """Group-relative advantages (Flow-GRPO, docs/math.md §2) and the `uniform` credit scheme (docs/math.md §3).
 
-    A = group_advantages(rewards [B], group_ids [B], num_groups, global_std=True, clip=5.0)   # [B]
+    A = group_advantages(rewards [B], group_ids [B], num_groups, global_std=True, clip=5.0, eps=1e-4, ddof=0)   # [B]
     A_null = permute_within_groups(A, group_ids, key)                                        # the null control
 
-`A[b] = (r[b] - mean_{g[b]} r) / (std + 1e-4)`, the std over the sample's prompt group or, with
-`global_std`, over the whole (gathered, global) batch; clipped to `[-clip, clip]`. Rewards are a
+`A[b] = (r[b] - mean_{g[b]} r) / (std + eps)`, the std over the sample's prompt group or, with
+`global_std`, over the whole (gathered, global) batch, with `ddof` (0: numpy's population std, flow_grpo's
+`stat_tracking.py` with eps 1e-4; 1: torch's default, MixGRPO's per-group `std() + 1e-8`); clipped to `[-clip, clip]`. Rewards are a
 global `jax.Array`, so on a pod the statistics cover every process's samples.
 """
 from __future__ import annotations
@@ -13,16 +14,17 @@ import jax
 import jax.numpy as jnp
 
 
-def group_advantages(rewards, group_ids, num_groups: int, global_std: bool = True, clip: float = 5.0, eps: float = 1e-4):
+def group_advantages(rewards, group_ids, num_groups: int, global_std: bool = True, clip: float = 5.0, eps: float = 1e-4,
+                     ddof: int = 0):
     """[B] advantages (module doc); `group_ids [B]` int in `[0, num_groups)`."""
     r = rewards.astype(jnp.float32)
     count = jax.ops.segment_sum(jnp.ones_like(r), group_ids, num_groups)
     mean = jax.ops.segment_sum(r, group_ids, num_groups) / jnp.maximum(count, 1.0)
     centered = r - mean[group_ids]
     if global_std:
-        std = jnp.std(r)
+        std = jnp.std(r, ddof=ddof)
     else:
-        var = jax.ops.segment_sum(jnp.square(centered), group_ids, num_groups) / jnp.maximum(count, 1.0)
+        var = jax.ops.segment_sum(jnp.square(centered), group_ids, num_groups) / jnp.maximum(count - ddof, 1.0)
         std = jnp.sqrt(var)[group_ids]
     return jnp.clip(centered / (std + eps), -clip, clip)
 

@@ -16,8 +16,9 @@ beta, ratio, kl_form, lambda_control.
 - `KL = mean_e (mu_theta - mu_ref)^2 / (2 s^2)`: `kl_form="flow_grpo"` (default, Flow-GRPO's code) takes
   `s` = the kernel's std without its `sqrt(-dt)` factor; `"exact"` the std itself, the exact KL between the
   two Gaussian kernels (larger by `1 / (sigma - sigma_next)`, ~9x at shift 1, 10 steps, for the same beta).
-- `detach_uncond` (default, as Flow-GRPO): the policy's kernel mean takes no gradient through CFG's
-  unconditional branch (`rollout.guided`), which also halves the backward pass's batch.
+- `detach_uncond` (off by default, as flow_grpo's current `train_sd3.py` and its GRPO-Guard script: the gradient flows
+  through both CFG branches, `cfg dv_c - (cfg - 1) dv_u`); on: no gradient through CFG's unconditional branch
+  (`rollout.guided`; flow_grpo's July 2025 version), which also halves the backward pass's batch.
 - Reported: clipfrac (overall and per step), approx_kl (`0.5 mean (log rho)^2`), the KL, the ratio's
   mean/std per step, the path variance `V_t` per step, measured and predicted (below), and `alignment`,
   the correlation of advantage and log-ratio over the minibatch's pairs (the train loop keeps it for
@@ -51,7 +52,7 @@ from flowrl_jax.sampling import kernels
 from flowrl_jax.sampling.rollout import Rollout, Schedule
 
 DEFAULTS = {"clip_range": 1e-4, "beta": 0.04, "ratio": "sample", "kl_form": "flow_grpo", "lambda_control": False,
-            "detach_uncond": True, "ratio_norm": False}
+            "detach_uncond": False, "ratio_norm": False}
 RATIOS = ("sample", "token")
 KL_FORMS = ("exact", "flow_grpo")
 AFFINE_KINDS = ("sde", "cps")

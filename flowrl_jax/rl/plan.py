@@ -69,11 +69,13 @@ def validate(config) -> Checked:
         objective = objectives.get(config.objective.name)
         options = objectives.resolve_options(config, patch_size=None)
         objective.check(options, s)
-        credit = credit_lib.build(config.credit.names, config.credit, config.advantage.global_std, config.advantage.clip)
+        a = config.advantage
+        credit = credit_lib.build(config.credit.names, config.credit, a.global_std, a.clip, a.std_eps, a.std_ddof)
         rewards.check(weighted, config.world.get("reward_models"))  # the device rewards' folders, before compiling
         remote.settings(t.get("remote_rewards"))
         windows.levels_at(s, 0, config.seed)  # the window's schedule and its options
-        if windows.tail(s) != windows.tail({}) and (config.objective.name == "leapalign" or "turning_point" in config.credit.names):
+        coarser = {k: v for k, v in windows.tail(s).items() if k != "tail_shift"} != {"tail_solver": "euler", "tail_ratio": 1.0}
+        if coarser and (config.objective.name == "leapalign" or "turning_point" in config.credit.names):
             raise ValueError("sampler.window.tail_solver / tail_ratio: LeapAlign and TurningPoint credit read every step's state "
                              "on the base grid (Schedule.sigmas) and its Euler completions; keep the default tail (euler, 1.0)")
     except (ValueError, FileNotFoundError) as e:

@@ -38,7 +38,7 @@ def train_config() -> ConfigDict:
                      rollout_chunk=0, microbatch=0,  # memory knobs (0 = off): rows sampled at a time, pairs per forward/backward (rl/programs.py)
                      score_while_sampling=False,  # True: each rollout chunk (train.rollout_chunk rows) is scored on a thread while the next samples
                      remote_rewards=dict(remote.DEFAULTS))  # remote:NAME@URL rewards: rows per request, seconds (rewards/remote.py)
-    cfg.advantage = dict(global_std=True, clip=5.0,
+    cfg.advantage = dict(global_std=True, clip=5.0, std_eps=1e-4, std_ddof=0,  # (r - group mean) / (std + eps): credit/group.py
                          null_control=False)  # True: advantages shuffled within each group (rl/programs.py make_credit_fn), learning vs drift
     cfg.credit = credit.config_fields()  # names: the chain (credit/__init__.py); one sub-dict of options per scheme
     cfg.curriculum = dict(curriculum.DEFAULTS)  # AdaGRPO's prompt curriculum, docs/math.md §5 (enabled=False)

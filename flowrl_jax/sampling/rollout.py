@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flowrl_jax.sampling import kernels
+from flowrl_jax.sampling import kernels, schedule
 
 
 @flax.struct.dataclass
@@ -106,23 +106,27 @@ def check_tail(solver: str, ratio: float, prefix: str = "") -> None:
                          "and a ratio in (0, 1]")
 
 
-def tail_schedule(sigmas, levels, ratio: float = 1.0):
-    """The steps after the SDE window on a coarser grid (MixGRPO-Flash's `dpm_apply_strategy="post"`): with `e` one past
-    the last SDE step (0 when there is none), upstream's `int((T - e + 1) ratio)` grid points from sigma_e to 0, so
-    `n = max(1, int((T - e + 1) ratio) - 1)` steps; tail step `e + j` (j < n) goes between the base grid interpolated at
-    `e + j (T - e) / n` and `e + (j + 1) (T - e) / n` (upstream re-shifts an even grid in unshifted time: the same at
-    shift 1); steps past `e + n` are skipped. `ratio = 1` keeps every step. -> (sigma_from [T], sigma_to [T], active [T]
-    bool, tail [T] bool); traced, so a window that moves per iteration needs no new compile."""
+def tail_schedule(sigmas, levels, ratio: float = 1.0, shift: float = 1.0):
+    """The steps after the SDE window on a coarser grid (MixGRPO-Flash's `dpm_apply_strategy="post"`,
+    `fastvideo/utils/sampling_utils.py`): with `e` one past the last SDE step (0 when there is none), upstream's
+    `int((T - e + 1) ratio)` grid points spaced evenly in unshifted time from `t_e` (sigma_e unshifted by `shift`) to 0,
+    each shifted back; so `n = max(1, points - 1)` steps (upstream keeps 1 point, never reaching 0, where the product
+    is below 2: ours takes one step to 0 there). Tail step `e + j` (j < n) goes `sh(t_e (1 - j/n)) -> sh(t_e (1 - (j+1)/n))`;
+    steps past `e + n` are skipped. `ratio = 1` keeps every step of the base grid. -> (sigma_from [T], sigma_to [T],
+    active [T] bool, tail [T] bool); traced, so a window that moves per iteration needs no new compile."""
     num_steps = levels.shape[0]
     idx = jnp.arange(num_steps)
     e = jnp.max(jnp.where(levels > 0, idx + 1, 0))
     tail_len = (num_steps - e).astype(jnp.float32)
     points = jnp.floor((tail_len + 1.0) * ratio + 1e-5)  # upstream's int(...); 1e-5 absorbs float32 products like 5 x 0.4
-    n = tail_len if ratio >= 1 else jnp.maximum(1.0, points - 1.0)
+    n = jnp.maximum(1.0, points - 1.0)
     j = (idx - e).astype(jnp.float32)
-    at = lambda k: jnp.interp(e + k * tail_len / n, jnp.arange(num_steps + 1, dtype=jnp.float32), sigmas)  # noqa: E731
+    sigma_e = sigmas[e]
+    t_e = sigma_e / (shift - (shift - 1.0) * sigma_e)  # the inverse of sh(t) = shift t / (1 + (shift - 1) t)
+    at = lambda k: schedule.shift_sigma(t_e * jnp.clip(1.0 - k / n, 0.0, 1.0), shift)  # noqa: E731
     tail = idx >= e
-    return (jnp.where(tail, at(j), sigmas[:-1]), jnp.where(tail, at(j + 1), sigmas[1:]), ~tail | (j < n), tail)
+    regrid = tail & (ratio < 1)
+    return (jnp.where(regrid, at(j), sigmas[:-1]), jnp.where(regrid, at(j + 1), sigmas[1:]), ~regrid | (j < n), tail)
 
 
 def dpm_solver_2m(x, x0, x0_prev, sigma, sigma_next, h_prev):
@@ -140,7 +144,7 @@ def dpm_solver_2m(x, x0, x0_prev, sigma, sigma_next, h_prev):
 
 
 def rollout(velocity: Callable, x_T, sigmas, levels, rng, kind: str = "sde", patch_size: int = 1,
-            logprob_form: str = "gaussian", tail_solver: str = "euler", tail_ratio: float = 1.0) -> Rollout:
+            logprob_form: str = "gaussian", tail_solver: str = "euler", tail_ratio: float = 1.0, tail_shift: float = 1.0) -> Rollout:
     """Run `T = len(levels)` steps from x_T [B, H, W, C] at `sigmas[0]`; step t uses `kind` with noise
     level `levels[t]` (0 = ODE). The steps after the SDE window use `tail_solver` ("euler", or "dpm2m":
     DPM-Solver++(2M) fed by the previous step's x0, MixGRPO's ODE sampler) on `tail_ratio` of their grid
@@ -151,7 +155,7 @@ def rollout(velocity: Callable, x_T, sigmas, levels, rng, kind: str = "sde", pat
     keys = jax.random.split(rng, num_steps)
     plain = tail_solver == "euler" and tail_ratio == 1.0
     sigma_from, sigma_to, active, tail = ((sigmas[:-1], sigmas[1:], jnp.ones(num_steps, bool), jnp.zeros(num_steps, bool))
-                                          if plain else tail_schedule(sigmas, levels, tail_ratio))
+                                          if plain else tail_schedule(sigmas, levels, tail_ratio, tail_shift))
 
     def move(x, x0_prev, h_prev, sigma, sigma_next, a, key, on_tail):
         mean, std, v = kernels.transition(kind, velocity, x, sigma, sigma_next, a, sigma_1)
