@@ -590,7 +590,7 @@ def _largest(p: dict) -> str:
 def render_memory_plan(src: Source, command: str = "python benchmarks/memory_plan.py") -> str:
     rows = []
     for name, p in src.data.items():
-        if "method" in p:
+        if p.get("method", "grpo") != "grpo":
             continue
         plan, nb, lo = p["plan"], p["native_bf16"], p["low"]
         data, fsdp = _mesh(plan)
@@ -631,7 +631,7 @@ def render_memory_plan_leapalign(src: Source, command: str = "python benchmarks/
 def render_methods_on_flux(src: Source) -> str:
     rows = []
     for name, r in src.data["methods"].items():
-        result = f"ran: loss {sig3(r['loss'])}, reward {sig3(r['reward'])}" if r["ran"] else f"failed: {r['error']}"
+        result = f"ran: loss {r['loss']:.3g}, reward {r['reward']:.3g}" if r["ran"] else f"failed: {r['error']}"
         rows.append([f"`configs/{name}.py`", r.get("objective", ""), ", ".join(r.get("credit", ())), r.get("kernel", ""), result])
     header = ["method config", "objective", "credit", "kernel", "one iteration on the tiny FLUX pipeline"]
     return "\n\n".join([table(header, rows), provenance(src, "python benchmarks/methods_on_flux.py", machine(src.data.get("env")))])
