@@ -170,7 +170,7 @@ def torch_updates(pair: Pair, side, ro: dict, cond, null, reward: np.ndarray, it
     """The same as `jax_updates` on the torch side (same advantages formula and minibatch order)."""
     adv = tr.group_advantages(tr.to_torch(reward), pair.config.train.group_size,
                               pair.config.advantage.global_std, pair.config.advantage.clip,
-                               pair.config.advantage.std_eps, pair.config.advantage.std_ddof)
+                              pair.config.advantage.std_eps, pair.config.advantage.std_ddof)
     stats = [side.update(ro, adv, cond, null, tr.to_torch(rows, np.int64), tr.to_torch(slots, np.int64), tr.to_torch(weight))
              for rows, slots, weight in minibatch_order(pair, it)]
     return adv, stats

@@ -70,7 +70,7 @@ def group_gradients(config, num_groups: int, null: bool, seed: int) -> tuple[np.
     group_ids = np.repeat(np.arange(len(reward) // t.group_size), t.group_size)
     adv = group.group_advantages(jnp.asarray(reward), jnp.asarray(group_ids), len(reward) // t.group_size,
                                  config.advantage.global_std, config.advantage.clip,
-                               config.advantage.std_eps, config.advantage.std_ddof)
+                                 config.advantage.std_eps, config.advantage.std_ddof)
     if null:
         adv = group.permute_within_groups(adv, jnp.asarray(group_ids), jax.random.PRNGKey(seed + 7))
     adv = np.asarray(adv)

@@ -2,6 +2,7 @@
 its budget, and does lambda control keep it inside?
 
     python benchmarks/lambda_budget.py [--iterations 12] [--seeds 0,1,2]
+    python benchmarks/lambda_budget.py --shift 3 --beta 0.04 --clip_range 1e-4 --tag shift3   # as the seed paper poses it
 
 Runs Flow-GRPO (`configs/flow_grpo_cpu.py`), GRPO-Guard (`configs/grpo_guard.py`, the seed paper's baseline) and
 lambda-GRPO (`configs/lambda_grpo.py`) from the same base, seed and batches with the SDE on steps 0..8 of 10
@@ -11,7 +12,10 @@ variance `V_t = mean_e (mu_theta - mu_old)^2 / std_t^2` of the updates (the obje
 iteration's minibatches; the first minibatch is on-policy, V = 0) against one budget for all, lambda-GRPO's
 `lambda D = eps^2 D` (Guard's own clip range, 2e-6, would put it on another scale), and the fraction of (iteration,
 step) cells over it, with its mean and 95% t-interval over seeds. Writes `benchmarks/results/lambda_budget.{json,png}`
-and prints a table.
+and prints a table. `--shift`, `--beta`, `--clip_range` set one value for all three (issue 45: Guard's per-step
+reweighting `1 / |dt|` is a constant at shift 1, and its config runs beta 0 and clip 2e-6 where the others run 0.04 and
+1e-4); `--tag` names the output `lambda_budget_<tag>.{json,png}`. GRPO-Guard's clip then applies to its RatioNorm
+ratio, whose log is the standard one times the step's std (`objectives/grpo.py`): the same number, another scale.
 """
 from __future__ import annotations
 
@@ -34,6 +38,12 @@ def config_for(path: str, args):
     config = runpy.run_path(os.path.join(ROOT, path))["get_config"]("")
     config.sampler.update(sde_window=(0, 9), same_noise_per_group=False)
     config.train.update(iterations=args.iterations, minibatches=4)
+    if getattr(args, "shift", None) is not None:
+        config.sampler.shift = args.shift
+    if getattr(args, "beta", None) is not None:
+        config.objective.grpo.beta = args.beta
+    if getattr(args, "clip_range", None) is not None:
+        config.objective.grpo.clip_range = args.clip_range
     config.eval.update(at_start=False, every=0, per_category=1)  # the eval is not what this measures
     config.checkpoint.update(every=10_000)
     config.seed = args.seed
@@ -86,7 +96,12 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--workdir", default="/tmp/lambda_budget")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    parser.add_argument("--shift", type=float, default=None, help="the sampler's shift for all three (default: each config's, 1)")
+    parser.add_argument("--beta", type=float, default=None, help="one KL beta for all three (default: each config's)")
+    parser.add_argument("--clip_range", type=float, default=None, help="one clip range for all three (default: each config's)")
+    parser.add_argument("--tag", default="", help="output lambda_budget_<tag>.{json,png} (default lambda_budget.{json,png})")
     args = parser.parse_args()
+    stem = f"lambda_budget_{args.tag}" if args.tag else "lambda_budget"
     from flowrl_jax.jobs import train
 
     runs = {name: {} for name in RUNS}
@@ -109,9 +124,9 @@ def main() -> None:
                                                                   for n, c in curves.items()))
     print("\n".join(lines))
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "lambda_budget.json"), "w") as f:  # before the plot: a plotting error keeps the numbers
+    with open(os.path.join(args.out, stem + ".json"), "w") as f:  # before the plot: a plotting error keeps the numbers
         json.dump({"args": vars(args), "budget": budget, "curves": curves, "runs": runs, "table": "\n".join(lines)}, f, indent=1)
-    plot(curves, budget, os.path.join(args.out, "lambda_budget.png"))
+    plot(curves, budget, os.path.join(args.out, stem + ".png"))
 
 
 if __name__ == "__main__":

@@ -374,7 +374,9 @@ def render_lambda_budget(src: Source) -> str:
     seeds = d["args"]["seeds"].split(",")
     note = (f"Budget `eps^2 D` = {e1(d['budget'])} (lambda-GRPO's); {d['args']['iterations']} iterations, "
             f"{len(seeds)} seeds, mean over seeds with a 95% t-interval.")
-    command = f"python benchmarks/lambda_budget.py --iterations {d['args']['iterations']} --seeds {d['args']['seeds']}"
+    a = d["args"]
+    extra = "".join(f" --{k} {a[k]}" for k in ("shift", "beta", "clip_range", "tag") if a.get(k) not in (None, ""))
+    command = f"python benchmarks/lambda_budget.py --iterations {a['iterations']} --seeds {a['seeds']}{extra}"
     return "\n\n".join([table([""] + [names.get(k, k) for k in order], rows), note, provenance(src, command, machine())])
 
 
@@ -728,6 +730,7 @@ REPORTS = {  # block name -> (results file or folder, relative to the repository
     "compare_issue20": (R + "issue20/compare_methods.json", render_compare_issue20),
     "gradient_snr": (R + "gradient_snr.json", render_gradient_snr),
     "lambda_budget": (R + "lambda_budget.json", render_lambda_budget),
+    "lambda_budget_shift3": (R + "lambda_budget_shift3.json", render_lambda_budget),
     "sampler_gap": (R + "sampler_gap.json", render_sampler_gap),
     "compare_torch": (R + "compare_torch.json", render_compare_torch),
     "profile_step": (R + "profile_step_medium.json", render_profile_step),

@@ -103,13 +103,16 @@ def sde_logprob(x_next, mean, std):
     return torch.where(std.flatten() > 0, lp.mean(dim=(1, 2, 3)), torch.zeros(()))
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, global_std: bool = True, clip: float = 5.0):
-    """Flow-GRPO's advantages: `(r - mean over the prompt's group) / (std + 1e-4)`, std over the batch
-    (`global_std`) or the group, clipped; rows of one group are consecutive."""
+def group_advantages(rewards: torch.Tensor, group_size: int, global_std: bool = True, clip: float = 5.0, eps: float = 1e-4,
+                     ddof: int = 0):
+    """Flow-GRPO's advantages: `(r - mean over the prompt's group) / (std + eps)`, std over the batch
+    (`global_std`) or the group (population std, or torch's unbiased one with `ddof=1`, MixGRPO's), clipped; rows of
+    one group are consecutive."""
     groups = rewards.reshape(-1, group_size)
     centered = (groups - groups.mean(1, keepdim=True)).flatten()
-    std = rewards.std(unbiased=False) if global_std else groups.std(1, unbiased=False).repeat_interleave(group_size)
-    return torch.clamp(centered / (std + 1e-4), -clip, clip)
+    unbiased = bool(ddof)
+    std = rewards.std(unbiased=unbiased) if global_std else groups.std(1, unbiased=unbiased).repeat_interleave(group_size)
+    return torch.clamp(centered / (std + eps), -clip, clip)
 
 
 class TorchFlowGRPO:

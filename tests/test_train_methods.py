@@ -78,6 +78,7 @@ def test_a_sliding_window_and_grpo_guard_train_through_the_shared_loop(smoke_bas
     _brightness_reward(monkeypatch)
     out = _run(smoke_base, tmp_path, **{"train.iterations": 2, "sampler.sde_window": (0, 2), "sampler.window.schedule": "sliding",
                                         "sampler.window.shift_every": 1, "objective.grpo.ratio_norm": True,
+                                        "sampler.window.end": "whole",  # 3 steps: upstream's cut at T - 2 would leave [0], then none
                                         "sampler.window.tail_solver": "dpm2m", "sampler.window.tail_ratio": 0.5,
                                         "diagnostics.image_change_every": 1})
     assert out["step"] == 2
