@@ -149,7 +149,7 @@ def build_tiny_flux(folder: str):
     """A random FLUX.1-dev-like pipeline (tests/test_sd3.py's tokenizers and text encoder sizes, a 4-channel VAE) saved to
     `folder`; returns diffusers' `FluxPipeline`."""
     transformers = pytest.importorskip("transformers")
-    from tests.test_sd3 import CLIP_LEN, RESOLUTION, _tokenizers
+    from tests.test_sd3 import CLIP_LEN, _tokenizers, perturb, tiny_t5, tiny_vae
 
     torch.manual_seed(0)
     clip_tok, t5_tok = _tokenizers()
@@ -159,18 +159,10 @@ def build_tiny_flux(folder: str):
             vocab_size=len(clip_tok), hidden_size=16, intermediate_size=24, projection_dim=12, num_hidden_layers=2,
             num_attention_heads=2, max_position_embeddings=CLIP_LEN, hidden_act="quick_gelu", bos_token_id=0, eos_token_id=1,
             pad_token_id=1)),
-        text_encoder_2=transformers.T5EncoderModel(transformers.T5Config(
-            vocab_size=len(t5_tok), d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
-            relative_attention_num_buckets=8, relative_attention_max_distance=16, pad_token_id=0, eos_token_id=1)),
-        vae=diffusers.AutoencoderKL(
-            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-            block_out_channels=(8, 16), layers_per_block=1, latent_channels=4, norm_num_groups=4, sample_size=RESOLUTION,
-            use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159),
+        text_encoder_2=tiny_t5(t5_tok),
+        vae=tiny_vae(4, 0.3611, 0.1159),  # FLUX's factors
     )
-    with torch.no_grad():  # off the zero-initialised adaLN / output layers, so every weight matters
-        for name in ("transformer", "vae"):
-            for p in components[name].parameters():
-                p.add_(0.05 * torch.randn_like(p))
+    perturb(components["transformer"], components["vae"])
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                                                           base_image_seq_len=256, max_image_seq_len=4096)  # FLUX.1's
     pipe = diffusers.FluxPipeline(scheduler=scheduler, tokenizer=clip_tok, tokenizer_2=t5_tok, **{k: m.eval() for k, m in components.items()})

@@ -36,6 +36,29 @@ def _tokenizers():
     return clip, t5
 
 
+def tiny_t5(t5_tok):
+    """T5 v1.1 (gated-gelu), 2 layers of width 32: the tiny pipelines' text_encoder_3 (SD3) / text_encoder_2 (FLUX)."""
+    return transformers.T5EncoderModel(transformers.T5Config(
+        vocab_size=len(t5_tok), d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, pad_token_id=0, eos_token_id=1))
+
+
+def tiny_vae(latent_channels: int, scaling_factor: float, shift_factor: float):
+    """A 2-level AutoencoderKL (halves the image once) with the family's latent channels and factors."""
+    return diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16), layers_per_block=1, latent_channels=latent_channels, norm_num_groups=4, sample_size=RESOLUTION,
+        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=scaling_factor, shift_factor=shift_factor)
+
+
+def perturb(*modules):
+    """Every weight moved off its init (the zero-initialised adaLN / output layers too), so every weight matters."""
+    with torch.no_grad():
+        for module in modules:
+            for p in module.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+
+
 def build_tiny_sd3(folder: str):
     """A random SD3 pipeline (dual-attention MMDiT, CLIP quick-gelu + gelu, T5 v1.1, 16-channel VAE) saved to `folder`."""
     torch.manual_seed(0)
@@ -49,18 +72,10 @@ def build_tiny_sd3(folder: str):
             pos_embed_max_size=8, qk_norm="rms_norm", dual_attention_layers=(0,)),
         text_encoder=transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(hidden_size=16, projection_dim=12, hidden_act="quick_gelu", **clip)),
         text_encoder_2=transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(hidden_size=8, projection_dim=12, hidden_act="gelu", **clip)),
-        text_encoder_3=transformers.T5EncoderModel(transformers.T5Config(
-            vocab_size=len(t5_tok), d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
-            relative_attention_num_buckets=8, relative_attention_max_distance=16, pad_token_id=0, eos_token_id=1)),
-        vae=diffusers.AutoencoderKL(
-            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-            block_out_channels=(8, 16), layers_per_block=1, latent_channels=16, norm_num_groups=4, sample_size=RESOLUTION,
-            use_quant_conv=False, use_post_quant_conv=False, scaling_factor=1.5305, shift_factor=0.0609),
+        text_encoder_3=tiny_t5(t5_tok),
+        vae=tiny_vae(16, 1.5305, 0.0609),
     )
-    with torch.no_grad():  # off the zero-initialised adaLN / output layers, so every weight matters
-        for name in ("transformer", "vae"):
-            for p in components[name].parameters():
-                p.add_(0.05 * torch.randn_like(p))
+    perturb(components["transformer"], components["vae"])
     pipe = diffusers.StableDiffusion3Pipeline(
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), tokenizer=clip_tok, tokenizer_2=clip_tok,
         tokenizer_3=t5_tok, **{k: m.eval() for k, m in components.items()})
