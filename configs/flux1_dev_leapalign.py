@@ -16,8 +16,9 @@ Where we chose:
   `-sum w R` with softmax leap weights (`objectives/leap.py`), so `tau` keeps our default.
 - 64 images as 16 prompts x 4 (the loop draws groups; LeapAlign does not use their advantages).
 - The "gpu" plan trains LoRA (rank 64, flow_grpo's FLUX targets) instead: the full fine-tune's float32 weights, Adam
-  moments and EMA are 190 GB, more than any one GPU holds. The other plans FSDP the whole state over every chip (no
-  data axis): with a data axis of 8 the state is 47.6 GB per chip.
+  moments and EMA are 190 GB, more than any one GPU holds. On the pod plans the full fine-tune does not fit either, by
+  the memory plan's bf16 bound (docs/real_models.md): it needs a plan of its own (more chips on the fsdp axis, LoRA,
+  or a shorter rollout), not yet made.
 The argument picks the memory plan (`common.FLUX_MEMORY_PLANS`).
 """
 from configs import common
@@ -36,7 +37,5 @@ def get_config(arg: str = ""):
     config.train.update(iterations=300, prompts_per_iteration=16, group_size=4, minibatches=1, lr=1e-5, weight_decay=1e-4,
                         lora_rank=64 if plan == "gpu" else 0, ema_decay=0.995, ema_every=1)
     config.eval.update(num_steps=50, shift=shift)
-    if config.train.lora_rank == 0:  # the whole transformer's float32 weights, Adam moments and EMA (190 GB) over every chip
-        config.mesh = (("data", 1), ("fsdp", -1))
     config.lock()
     return config
