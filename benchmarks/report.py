@@ -730,6 +730,7 @@ REPORTS = {  # block name -> (results file or folder, relative to the repository
     "compare_issue20": (R + "issue20/compare_methods.json", render_compare_issue20),
     "gradient_snr": (R + "gradient_snr.json", render_gradient_snr),
     "lambda_budget": (R + "lambda_budget.json", render_lambda_budget),
+    "lambda_budget_shift3": (R + "lambda_budget_shift3.json", render_lambda_budget),
     "sampler_gap": (R + "sampler_gap.json", render_sampler_gap),
     "compare_torch": (R + "compare_torch.json", render_compare_torch),
     "profile_step": (R + "profile_step_medium.json", render_profile_step),
