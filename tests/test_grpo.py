@@ -46,8 +46,8 @@ def test_per_group_std_equals_flow_grpos_tracker_and_mixgrpos_group_code():
         mix[g == k] = (group_r - group_r.mean()) / (group_r.std(ddof=1) + 1e-8)
     # float32 means and stds of 6 values in [0, 1] (a few roundings each, ~1e-7 relative) against float64, then a
     # quotient: <= 1e-6 relative, so 1e-5 (a population vs sample std, sqrt(6/5) = 1.095, is 9.5% off)
-    np.testing.assert_allclose(group.group_advantages(r, g, 4, global_std=False), tracker, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(group.group_advantages(r, g, 4, global_std=False, eps=1e-8, ddof=1), mix, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(group.group_advantages(r, g, 4, global_std=False), tracker, rtol=1e-5, atol=1e-6)  # float32 mean/std/quotient ~1e-6 (above)
+    np.testing.assert_allclose(group.group_advantages(r, g, 4, global_std=False, eps=1e-8, ddof=1), mix, rtol=1e-5, atol=1e-6)  # as above
 
 
 def test_uniform_credit_and_dropping_all_zero_samples():

@@ -120,7 +120,7 @@ def test_affine_coefficient_is_the_derivative_of_upstreams_mean_in_v(kind):
             # c_v in float32 from <= 8 roundings of terms <= 1 (cps: two products and a sqrt): <= 8 eps relative, with
             # no cancellation for sde; cps's c_v = -sigma (1 - sigma') + (1 - sigma) rest may cancel to |c_v| ~ 0.1, so
             # absolute 8 eps x (terms <= 1) ~ 1e-6
-            np.testing.assert_allclose(float(c_v), d, rtol=1e-5, atol=2e-6)
+            np.testing.assert_allclose(float(c_v), d, rtol=1e-5, atol=2e-6)  # <= 8 float32 roundings, cps may cancel (above)
 
 
 @pytest.mark.parametrize("a", [0.3, 0.8])
@@ -136,7 +136,7 @@ def test_cps_mean_std_and_compat_logprob_equal_upstreams_at_a_positive_noise_lev
         ref_mean, ref_std = _upstream_step("cps", x, v, s[i], s[i + 1], a, s[1])
         # float32: x0, x1 (2 roundings each), two products and a sum (3 more), terms |.| <= 4 (|x|, |v| <= 4): <= 8 eps x 8
         # = 7.6e-6 absolute, with cancellation possible in the sum (so absolute, not relative)
-        np.testing.assert_allclose(np.asarray(mean), ref_mean, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(mean), ref_mean, rtol=0, atol=1e-5)  # 8 eps x terms <= 8 = 7.6e-6 (above)
         np.testing.assert_allclose(float(std[0]), ref_std, rtol=1e-6)  # sigma' sin(a pi / 2): 2 roundings (measured ~1e-7)
         z = np.asarray(jax.random.normal(jax.random.PRNGKey(4 + i), x.shape), np.float64)
         x_next = ref_mean + ref_std * z
@@ -144,7 +144,7 @@ def test_cps_mean_std_and_compat_logprob_equal_upstreams_at_a_positive_noise_lev
         ours = np.asarray(kernels.token_logprob(jnp.asarray(x_next, jnp.float32), mean, std, 4, "cps_compat")).mean(1)
         # |mu - mu64| <= 1e-5 (above) against |x' - mu| ~ std ~ 0.1-0.8: each square moves by <= 2 x 1e-5 / 0.1 relative,
         # and the mean of squares averages those: rtol 1e-3 (a wrong form, e.g. with 1 / (2 std^2), is O(1) off)
-        np.testing.assert_allclose(ours, ref_logp, rtol=1e-3)
+        np.testing.assert_allclose(ours, ref_logp, rtol=1e-3)  # |mu err| 1e-5 over |x' - mu| >= 0.1, squared (above)
 
 
 def _w2_after_one_step(kind, a, i, n=1_000_000):
