@@ -74,7 +74,7 @@ def validate(config) -> Checked:
         rewards.check(weighted, config.world.get("reward_models"))  # the device rewards' folders, before compiling
         remote.settings(t.get("remote_rewards"))
         windows.levels_at(s, 0, config.seed)  # the window's schedule and its options
-        coarser = {k: v for k, v in windows.tail(s).items() if k != "tail_shift"} != {"tail_solver": "euler", "tail_ratio": 1.0}
+        coarser = any(windows.tail(s)[k] != windows.DEFAULTS[k] for k in ("tail_solver", "tail_ratio"))
         if coarser and (config.objective.name == "leapalign" or "turning_point" in config.credit.names):
             raise ValueError("sampler.window.tail_solver / tail_ratio: LeapAlign and TurningPoint credit read every step's state "
                              "on the base grid (Schedule.sigmas) and its Euler completions; keep the default tail (euler, 1.0)")

@@ -122,7 +122,7 @@ def tail_schedule(sigmas, levels, ratio: float = 1.0, shift: float = 1.0):
     n = jnp.maximum(1.0, points - 1.0)
     j = (idx - e).astype(jnp.float32)
     sigma_e = sigmas[e]
-    t_e = sigma_e / (shift - (shift - 1.0) * sigma_e)  # the inverse of sh(t) = shift t / (1 + (shift - 1) t)
+    t_e = schedule.unshift_sigma(sigma_e, shift)
     at = lambda k: schedule.shift_sigma(t_e * jnp.clip(1.0 - k / n, 0.0, 1.0), shift)  # noqa: E731
     tail = idx >= e
     regrid = tail & (ratio < 1)

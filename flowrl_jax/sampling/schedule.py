@@ -18,6 +18,11 @@ def shift_sigma(s, shift: float):
     return shift * s / (1 + (shift - 1) * s)
 
 
+def unshift_sigma(sigma, shift: float):
+    """The inverse of `shift_sigma`: the unshifted time `t` with `shift_sigma(t, shift) = sigma`."""
+    return sigma / (shift - (shift - 1) * sigma)
+
+
 GRIDS = ("sd3", "flux")
 
 
