@@ -1,5 +1,7 @@
 """Group advantages, the uniform credit scheme and the clipped objective (docs/math.md §2-§4) against
 independent NumPy / jax.scipy computations."""
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -242,3 +244,104 @@ def test_detached_unconditional_branch_takes_the_gradient_of_the_conditional_one
     # v = (1 - cfg) theta u x + cfg theta c x: d/dtheta sums to 4 ((1 - cfg) 0.5 + cfg 2) in full, 4 cfg 2 detached.
     np.testing.assert_allclose(jax.grad(value)(1.3, False), 4 * ((1 - cfg) * 0.5 + cfg * 2.0), rtol=1e-6)  # 4-term float32 sums
     np.testing.assert_allclose(jax.grad(value)(1.3, True), 4 * cfg * 2.0, rtol=1e-6)  # 4-term float32 sums
+
+
+def _guard_upstream_torch(torch, params, params_old, x, x_next, sigmas, levels, cond, null, adv, cfg, eps, adv_clip=5.0):
+    """flow_grpo's `scripts/train_sd3_GRPO_Guard.py` (upstream 9745241) written out in torch float64, the toy velocity
+    `v(x, sigma, c) = c x W + sigma (1 - c) b` standing in for the transformer. Per timestep j of the rollout:
+    `compute_log_prob` (L181-195: one batched forward on `cat([x] * 2)` with the negative condition first, both halves with
+    gradients, `v_u + cfg (v_c - v_u)`), `sde_step_with_logprob` (sd3_sde_with_logprob.py L50-74, "sde"), RatioNorm
+    (L915-919), the clamped advantage and the clip (L920-927), `/ sqrt_dt.mean()**2` (L931-932); the batch mean per
+    timestep, and accelerate's accumulation over the timesteps (a mean). -> (loss, per-pair terms [T, B], ratios [T, B], |log-density| [T, B])."""
+    f64 = lambda a: torch.tensor(np.array(a, np.float64))  # noqa: E731
+    x, x_next, cond, null, adv = (f64(a) for a in (x, x_next, cond, null, adv))
+    sigma_max = float(sigmas[1])
+
+    def velocity(p, xx, sigma, c):
+        c4 = c[:, :, None, None]
+        return c4 * xx @ p["w"] + sigma * (1 - c4) * p["b"]
+
+    def step(p, j):
+        sigma, nxt, a = float(sigmas[j]), float(sigmas[j + 1]), float(levels[j])
+        xx = x[:, j]
+        v = velocity(p, torch.cat([xx] * 2), sigma, torch.cat([null, cond]))
+        v_u, v_c = v.chunk(2)
+        v = v_u + cfg * (v_c - v_u)
+        dt = nxt - sigma
+        std_dev_t = math.sqrt(sigma / (1 - (sigma_max if sigma == 1 else sigma))) * a
+        mean = xx * (1 + std_dev_t**2 / (2 * sigma) * dt) + v * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
+        s = std_dev_t * math.sqrt(-dt)
+        logp = (-((x_next[:, j] - mean) ** 2) / (2 * s**2) - math.log(s) - math.log(math.sqrt(2 * math.pi))).mean(dim=(1, 2, 3))
+        return mean, logp, std_dev_t, math.sqrt(-dt)
+
+    terms, ratios, densities = [], [], []
+    for j in range(len(levels) - 1):  # num_train_timesteps = int(T * 0.99): the last step is not trained
+        with torch.no_grad():
+            mean_old, logp_old, _, _ = step(params_old, j)  # the rollout's stored prev_sample_mean and log_probs
+        mean, logp, sigma_t, sqrt_dt = step(params, j)
+        bias = (mean - mean_old).pow(2).mean(dim=(1, 2, 3)) / (2 * (sqrt_dt * sigma_t) ** 2)
+        ratio = torch.exp((logp - logp_old + bias) * (sqrt_dt * sigma_t))
+        a = torch.clamp(adv, -adv_clip, adv_clip)
+        terms.append(torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - eps, 1 + eps)) / sqrt_dt**2)
+        ratios.append(ratio.detach())
+        densities.append(torch.maximum(logp.detach().abs(), logp_old.abs()))
+    terms = torch.stack(terms)
+    return terms.mean(), terms, torch.stack(ratios).numpy(), torch.stack(densities).numpy()
+
+
+def test_grpo_guard_gradient_with_the_cfg_branch_live_equals_a_torch_transcription_of_upstream():
+    """GRPO-Guard at CFG 4.5 with gradients through both CFG branches (`detach_uncond=False`, upstream's default): the
+    loss and its gradient against the torch float64 transcription above, at shift 3 (1/|dt| not a constant). Ours runs
+    under x64 on the same rollout (states, next states) and parameters."""
+    torch = pytest.importorskip("torch")
+    b, cfg, eps = 4, 4.5, 2e-3
+    sigmas = np.asarray(schedule.sigmas(6, 3.0), np.float64)
+    levels = np.full(6, 0.7)
+    rng = np.random.default_rng(0)
+    p_old = {"w": np.eye(2) * -0.8 + 0.1 * rng.standard_normal((2, 2)), "b": rng.standard_normal(2)}
+    p_new = {k: v + 0.02 * rng.standard_normal(v.shape) for k, v in p_old.items()}
+    cond, null = rng.uniform(0.5, 1.5, (b, 1)), np.full((b, 1), 0.2)  # the null condition reaches w and b both
+    adv = rng.standard_normal(b)
+
+    def fn(p):
+        return lambda x, s, c: c[:, :, None, None] * x @ p["w"] + s[:, None, None, None] * (1 - c[:, :, None, None]) * p["b"]
+
+    with jax.enable_x64(True):
+        j64 = lambda tree: jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), tree)  # noqa: E731
+        x_T = jax.random.normal(jax.random.PRNGKey(1), (b, 4, 4, 2), jnp.float64)
+        ro = rollout.rollout(rollout.guided(fn(j64(p_old)), jnp.asarray(cond), jnp.asarray(null), cfg), x_T, jnp.asarray(sigmas),
+                             jnp.asarray(levels), jax.random.PRNGKey(2), "sde", patch_size=2)
+        rows, steps = (a.ravel().astype(np.int32) for a in np.meshgrid(np.arange(b), np.arange(5), indexing="ij"))  # steps 0-4
+        mb = grpo.gather_pairs(ro, rollout.Schedule(jnp.asarray(sigmas), jnp.asarray(levels)), jnp.asarray(adv)[:, None, None],
+                               jnp.asarray(cond), jnp.asarray(null), rows, steps, np.ones(len(rows)))
+
+        def loss_of(detach):
+            def mean_fn(p, mb):
+                v = rollout.guided(fn(p), mb["cond"], mb["null"], cfg, detach)
+                return kernels.transition("sde", v, mb["x"], mb["sigma"], mb["sigma_next"], mb["level"], mb["sigma_1"])
+            opts = _options(beta=0.0, clip_range=eps, ratio_norm=True)
+            return lambda p: grpo.clipped_loss(ParamTrees(p, None), mb, PolicyFns(mean_fn, None, None), opts)[0]
+
+        loss, grad = jax.value_and_grad(loss_of(False))(j64(p_new))
+        grad_detached = jax.grad(loss_of(True))(j64(p_new))
+        x, x_next = np.asarray(ro.states), np.asarray(ro.next_states)
+
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in p_new.items()}
+    t_old = {k: torch.tensor(v) for k, v in p_old.items()}
+    t_loss, terms, ratios, big = _guard_upstream_torch(torch, tp, t_old, x, x_next, sigmas, levels, cond, null, adv, cfg, eps)
+    t_loss.backward(retain_graph=True)  # the per-pair gradients below reuse the graph
+    # Both sides float64 (u = 1.1e-16). The RatioNorm log-ratio is the difference of two mean log-densities of size
+    # M <= 20 (asserted) times std < 1: its absolute error is <= ~40 M u = 1e-13, so each pair's ratio, term and gradient
+    # carry a relative error <= 1e-12 (the few dozen further operations add ~1e-14). The total's error is then <= 1e-12
+    # times the sum of the 20 pairs' magnitudes, taken from the transcription's per-pair gradients (`scale`).
+    assert big.max() <= 20
+    per_pair = [torch.autograd.grad(t, list(tp.values()), retain_graph=True) for t in terms.reshape(-1)]
+    for i, name in enumerate(tp):
+        scale = float(sum(np.abs(g[i].numpy()) for g in per_pair).max())
+        np.testing.assert_allclose(np.asarray(grad[name]), tp[name].grad.numpy(), rtol=0, atol=1e-12 * scale)  # float64 (above)
+        # the unconditional branch has weight 1 - cfg = -3.5: detaching it moves the gradient far outside that bound
+        assert np.abs(np.asarray(grad_detached[name]) - tp[name].grad.numpy()).max() > 1e6 * 1e-12 * scale
+    np.testing.assert_allclose(float(loss), float(t_loss.detach()), rtol=0, atol=1e-12 * float(terms.detach().abs().sum()))  # float64 (above)
+    # both branches of the clip are exercised, and no pair sits within rounding (1e-12) of the boundary
+    clipped = np.abs(ratios - 1) > eps
+    assert 0 < clipped.mean() < 1 and np.min(np.abs(np.abs(ratios - 1) - eps)) > 1e-9

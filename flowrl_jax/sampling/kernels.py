@@ -83,7 +83,8 @@ def transition(kind: str, velocity: Callable, x, sigma, sigma_next, a, sigma_1):
     if kind not in KINDS:
         raise ValueError(f"unknown kernel {kind!r}; choose one of {KINDS}")
     b = x.shape[0]
-    sigma, sigma_next, a = (jnp.broadcast_to(jnp.asarray(s, jnp.float32), (b,)) for s in (sigma, sigma_next, a))
+    dtype = jnp.promote_types(x.dtype, jnp.float32)  # float32 for float32 / bf16 states; float64 ones (x64 tests) keep it
+    sigma, sigma_next, a = (jnp.broadcast_to(jnp.asarray(s, dtype), (b,)) for s in (sigma, sigma_next, a))
     v = velocity(x, sigma)
     if kind == "lc":
         mean, std = lc_step(velocity, x, v, sigma, sigma_next, a)
