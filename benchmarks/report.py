@@ -371,11 +371,19 @@ def render_lambda_budget(src: Source) -> str:
         ["(iteration, step) cells over the budget"] + [f"{100 * c['over_budget_cells'][0]:.0f}% ± {100 * c['over_budget_cells'][1]:.0f}%"
                                                        for c in (curves[k] for k in order)],
     ]
+    for m in ("strict", "score") if all("eval_strict" in c for c in curves.values()) else ():
+        gain = lambda c: f" ({c[f'eval_{m}_gain'][0]:+.3f} ± {c[f'eval_{m}_gain'][1]:.3f})" if f"eval_{m}_gain" in c else ""  # noqa: E731
+        rows.append([f"final eval {m} (gain over the base)"] + [f"{f3(c[f'eval_{m}'][0])} ± {f3(c[f'eval_{m}'][1])}{gain(c)}"
+                                                              for c in (curves[k] for k in order)])
     seeds = d["args"]["seeds"].split(",")
     note = (f"Budget `eps^2 D` = {e1(d['budget'])} (lambda-GRPO's); {d['args']['iterations']} iterations, "
             f"{len(seeds)} seeds, mean over seeds with a 95% t-interval.")
+    if d.get("base_eval"):
+        note += (f" Final eval: compare_methods.py's ({d['base_eval']['n']} images: all test prompts x 2, CFG 3, the same "
+                 f"prompts and noise), base strict {f3(d['base_eval']['strict'])}, score {f3(d['base_eval']['score'])}.")
     a = d["args"]
     extra = "".join(f" --{k} {a[k]}" for k in ("shift", "beta", "clip_range", "tag") if a.get(k) not in (None, ""))
+    extra += " --eval" if a.get("eval") else ""
     command = f"python benchmarks/lambda_budget.py --iterations {a['iterations']} --seeds {a['seeds']}{extra}"
     return "\n\n".join([table([""] + [names.get(k, k) for k in order], rows), note, provenance(src, command, machine())])
 
