@@ -253,7 +253,8 @@ def render_quickstart(src: Source) -> str:
 
 COMPARE_ORDER = ("flow_grpo", "flow_grpo_null", "flow_grpo_fast", "flow_grpo_fast_null", "spatial", "stepwise", "tp_grpo",
                  "lambda_grpo", "adagrpo", "lc_grpo", "advantage_flow", "nft", "leapalign")
-COMPARE_NOTES = {"nft": "2 optimizer steps per iteration, before issue 33; not rerun"}
+COMPARE_NOTES = {"flow_grpo": "after issue 45", "flow_grpo_null": "after issue 45", "nft": "after issue 45",  # rerun; the
+                 "flow_grpo_fast": "seeds 3-5 after issue 45", "flow_grpo_fast_null": "seeds 3-5 after issue 45"}  # rest before
 
 
 def render_compare(src: Source) -> str:
